@@ -1,0 +1,150 @@
+"""The data-plane contract: how encoder-cache bytes move once the control plane granted them.
+
+A plane is a :class:`DataTransport` subclass that *declares* what it can do (:class:`Capabilities`)
+instead of making callers probe with try/except. One instance serves one node and one host region.
+
+Two transfer models exist:
+
+* ``READ`` (e.g. NIXL): the producer describes the granted blocks in an opaque ``plane_grant``; the
+  consumer posts a one-sided READ of them into its own blocks and polls the handle.
+* ``PUSH`` (e.g. UCX via ucxx, TCP): the consumer prepares a receive and sends its destination in
+  ``XferReq.dest``; the producer pushes the granted blocks there after granting; the consumer polls
+  its receive handle.
+
+Sizes are bytes; timeouts seconds. Block runs are :class:`ectransport.store.Run` (block index +
+count) of the region passed to the constructor, whose ``block_bytes`` both sides share (the
+compatibility hash guarantees it). Methods never block longer than the deadline they are given;
+none raise for an expected transfer failure: :meth:`check` reports ``ERR`` instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from ectransport.store import Run
+
+#: Version of this contract. A plugin declares the version it implements; the registry loads only
+#: planes whose ``plugin_api_version`` equals it.
+PLUGIN_API_VERSION = 1
+
+
+class TransferModel(enum.Enum):
+    READ = "read"  #: one-sided READ by the consumer
+    PUSH = "push"  #: producer sends into the consumer's prepared blocks
+
+
+class XferState(enum.Enum):
+    PROC = "proc"  #: in flight
+    DONE = "done"  #: all bytes landed
+    ERR = "err"  #: failed; nothing more will land once released
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a plane can do.
+
+    Attributes:
+        transfer_model: READ or PUSH.
+        mem_kinds: memory kinds the plane can move (``"DRAM"``, ``"VRAM"``).
+        max_transfer_bytes: largest single transfer, bytes; None = unbounded.
+        notifications: whether the producer learns of completion from the plane itself (else it
+            relies on the consumer's ``XferDone`` or the lease).
+    """
+
+    transfer_model: TransferModel
+    mem_kinds: frozenset[str]
+    max_transfer_bytes: int | None
+    notifications: bool
+
+
+class RegionLike(Protocol):
+    """What a plane needs of the node's region (``ectransport.store.HostRegion`` satisfies it)."""
+
+    addr: int  # base address
+    nbytes: int
+    block_bytes: int
+    mem_kind: str
+
+
+Handle = Any  # plane-specific transfer handle; opaque to callers
+
+
+class DataTransport(ABC):
+    """Base class of every data plane (built-in or plugin).
+
+    Construct with ``Plane(node_id=..., region=...)``. The region is registered with the plane
+    for the plane's lifetime; :meth:`close` deregisters it and releases every handle.
+
+    Raises (constructor): ``PlaneUnavailable`` if the plane's dependency or backend cannot run here.
+    """
+
+    name: ClassVar[str]
+    plugin_api_version: ClassVar[int] = PLUGIN_API_VERSION
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        """Whether the plane can run on this machine, and why not (cheap; no region needed)."""
+        return True, "ok"
+
+    def describe_transport(self) -> str:
+        """What the plane actually uses underneath (e.g. UCX transports ``"cma,tcp"``), for logs."""
+        return self.name
+
+    # -- producer side --------------------------------------------------------------------------
+    @abstractmethod
+    def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
+        """The ``plane_grant`` for exactly these blocks (and nothing else of the region).
+
+        Pure computation on cached state; called on the producer's hot path.
+        """
+
+    def poll_notifications(self) -> list[bytes]:
+        """Completion notifications received since the last call (producer side)."""
+        return []
+
+    def push(self, dest: bytes, runs: Sequence[Run], nbytes: int, notif: bytes) -> Handle:
+        """PUSH planes: start sending ``nbytes`` of ``runs`` to the consumer's ``dest``."""
+        raise NotImplementedError(f"plane {self.name} does not push")
+
+    # -- consumer side --------------------------------------------------------------------------
+    def prepare(self, runs: Sequence[Run], nbytes: int) -> tuple[Handle | None, bytes]:
+        """Before an XferReq: ``(receive_handle, dest)``; READ planes return ``(None, b"")``."""
+        return None, b""
+
+    @abstractmethod
+    def start(
+        self,
+        prepared: Handle | None,
+        plane_grant: bytes,
+        runs: Sequence[Run],
+        nbytes: int,
+        notif: bytes,
+    ) -> Handle:
+        """After an OK ack: start (READ) or adopt (PUSH) the transfer into local ``runs``.
+
+        ``notif`` is delivered to the producer's :meth:`poll_notifications` on completion if the
+        plane has notifications.
+
+        Raises:
+            DataPlaneError: the grant is malformed or does not match ``runs``/``nbytes``.
+        """
+
+    @abstractmethod
+    def check(self, handle: Handle) -> XferState:
+        """Non-blocking state of a transfer handle (either side)."""
+
+    @abstractmethod
+    def release(self, handle: Handle) -> None:
+        """Release a handle, cancelling it if the plane can; idempotent, never raises."""
+
+    def forget_peer(self, peer: str) -> None:
+        """Drop cached state about a remote peer (e.g. a producer that restarted)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every handle and deregister the region; idempotent."""

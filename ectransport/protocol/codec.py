@@ -1,0 +1,90 @@
+"""Two-phase ECTP codec: envelope first (kind + version), then the typed body.
+
+Phase 1 reads only ``k`` and ``v`` from the msgpack map; an unknown kind or an unacceptable
+version is rejected *before* the body schema is applied, so a newer or garbage body never reaches
+the typed decoder. Phase 2 is strict msgspec validation against the one class named by ``k``.
+Encoders and decoders are built once, at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import msgspec
+
+from ectransport.errors import ProtocolError
+from ectransport.protocol.messages import KINDS, AnyMessage, Hello, Message, Welcome
+from ectransport.protocol.status import Status
+
+#: Default upper bound for one control frame, bytes. An OK ack with a NIXL grant is a few KB.
+MAX_FRAME_BYTES = 8 << 20
+
+
+class FrameError(ProtocolError):
+    """A frame was rejected. ``status`` is the NACK to answer with; ``kind`` is set if known."""
+
+    def __init__(self, status: Status, detail: str, kind: str | None = None):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.kind = kind
+
+
+class _Envelope(msgspec.Struct):
+    k: str
+    v: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_BODY = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
+#: Hello/Welcome bodies are frozen for the whole major, so they are parsed at any version.
+_ANY_VERSION = frozenset({Hello.__struct_config__.tag, Welcome.__struct_config__.tag})
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message as a msgpack map (``{"k": tag, "v": version, ...fields}``)."""
+    return _ENCODER.encode(msg)
+
+
+def decode(
+    data: bytes | memoryview,
+    *,
+    versions: Collection[int],
+    max_bytes: int = MAX_FRAME_BYTES,
+) -> AnyMessage:
+    """Decode one frame.
+
+    Args:
+        data: the frame bytes.
+        versions: versions acceptable for this frame (the negotiated version, or all supported
+            versions before negotiation). ``Hello``/``Welcome`` are accepted at any version.
+        max_bytes: frames longer than this are rejected unread.
+
+    Returns:
+        The typed message.
+
+    Raises:
+        FrameError: with ``status`` NACK_BAD_REQUEST (too large, not msgpack, not a map with a
+            string ``k`` and int ``v``, unknown kind, body fails validation) or NACK_VERSION
+            (``v`` not acceptable).
+    """
+    if len(data) > max_bytes:
+        raise FrameError(Status.NACK_BAD_REQUEST, f"frame of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        env = _ENVELOPE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError(Status.NACK_BAD_REQUEST, f"not an ECTP frame: {e}") from None
+    body = _BODY.get(env.k)
+    if body is None:
+        raise FrameError(Status.NACK_BAD_REQUEST, f"unknown message kind {env.k[:32]!r}")
+    if env.k not in _ANY_VERSION and env.v not in versions:
+        raise FrameError(
+            Status.NACK_VERSION,
+            f"frame version {env.v} not acceptable here (expected one of {sorted(versions)})",
+            kind=env.k,
+        )
+    try:
+        return body.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError(Status.NACK_BAD_REQUEST, f"invalid {env.k!r} frame: {e}", env.k) from None

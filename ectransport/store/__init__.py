@@ -1,0 +1,6 @@
+"""Store layer: block pool bookkeeping and host regions. No I/O."""
+
+from ectransport.store.blocks import AllocFailed, BlockStore, Entry, EntryState, Run
+from ectransport.store.region import HostRegion
+
+__all__ = ["AllocFailed", "BlockStore", "Entry", "EntryState", "HostRegion", "Run"]
