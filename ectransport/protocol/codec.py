@@ -88,3 +88,23 @@ def decode(
         return body.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise FrameError(Status.NACK_BAD_REQUEST, f"invalid {env.k!r} frame: {e}", env.k) from None
+
+
+class _Ids(msgspec.Struct):
+    session_id: str = ""
+    mm_hash: str = ""
+
+
+_IDS = msgspec.msgpack.Decoder(_Ids)
+
+
+def peek_ids(data: bytes | memoryview) -> tuple[str, str]:
+    """Best-effort ``(session_id, mm_hash)`` of a rejected frame, so a NACK can name its request.
+
+    Returns empty strings for whatever cannot be read; never raises.
+    """
+    try:
+        ids = _IDS.decode(data)
+        return ids.session_id[:128], ids.mm_hash[:256]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return "", ""

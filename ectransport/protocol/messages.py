@@ -13,7 +13,7 @@ Rules (see ``protocols/ectp-v1.md``):
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -123,7 +123,7 @@ class XferAck(Message, tag="ack"):
     session_id: SessionId
     mm_hash: MmHash
     status: Status
-    grant: Union[Grant, None]
+    grant: Grant | None
     detail: Detail
 
 
@@ -159,7 +159,7 @@ class Nack(Message, tag="nack"):
     detail: Detail
 
 
-AnyMessage = Union[Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack]
+AnyMessage = Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack
 
 #: tag → class, for the first decoding phase and for docs/tests.
 KINDS: dict[str, type[Message]] = {

@@ -1,0 +1,21 @@
+"""Sessions layer: sans-I/O producer and consumer state machines (time is an argument)."""
+
+from ectransport.session.commands import (
+    Command,
+    Landed,
+    Miss,
+    MissReason,
+    PostRead,
+    Push,
+    Release,
+    Report,
+    Send,
+)
+from ectransport.session.consumer import ConsumerConfig, ConsumerSession, FetchState
+from ectransport.session.producer import ProducerConfig, ProducerSession, notif_for, parse_notif
+
+__all__ = [
+    "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
+    "PostRead", "ProducerConfig", "ProducerSession", "Push", "Release", "Report", "Send",
+    "notif_for", "parse_notif",
+]

@@ -1,0 +1,307 @@
+"""ConsumerNode: fetches encoder-cache entries from producers, peer to peer.
+
+    node = ConsumerNode(layout=Layout(hidden=3584), security=sec)
+    out = node.fetch(ProducerAddress("10.0.0.5", 5601, producer_pubkey), mm_hash)
+    if out.ok:
+        tensor = out.tensor()          # [num_tokens, hidden], layout.dtype
+    else:
+        print(out.reason, out.detail)  # recompute locally
+
+One background thread drives one :class:`ConsumerSession` per producer over the ZMQ control client
+and the data plane. ``fetch``/``submit`` may be called from any thread; every fetch ends by its
+deadline in exactly one :class:`Fetched` or :class:`Miss`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ectransport.data.base import DataTransport
+from ectransport.data.registry import load_plane
+from ectransport.errors import ConfigError
+from ectransport.node.common import Layout, Security
+from ectransport.session import (
+    ConsumerConfig,
+    ConsumerSession,
+    Landed,
+    Miss,
+    MissReason,
+    PostRead,
+    Release,
+    Report,
+    Send,
+)
+from ectransport.store import BlockStore, HostRegion
+
+log = logging.getLogger("ectransport.node.consumer")
+
+
+@dataclass(frozen=True)
+class ProducerAddress:
+    """Where a producer listens and its CURVE public key (Z85; None only in insecure mode)."""
+
+    host: str
+    port: int
+    public_key: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A fetched entry: ``data`` holds its bytes (1-D uint8 array, a private copy).
+
+    Attributes:
+        timings: seconds since the fetch started: ``req`` (XferReq sent), ``ack``, ``posted``
+            (data-plane transfer posted), ``landed``; plus ``total``.
+        plane: the data plane that moved the bytes.
+    """
+
+    mm_hash: str
+    data: np.ndarray
+    layout: Layout
+    plane: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    ok = True
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def tensor(self):
+        """The entry as a torch tensor ``[num_tokens, hidden]`` of ``layout.dtype`` (no copy)."""
+        import torch
+
+        dt = getattr(torch, self.layout.dtype)
+        return torch.from_numpy(self.data).view(dt).reshape(-1, self.layout.hidden)
+
+
+Outcome = Fetched | Miss
+
+
+class ConsumerNode:
+    """Fetch entries from producers (see module docstring).
+
+    Args:
+        layout: must match the producers' (compatibility hash).
+        region_bytes: local landing region in bytes (entries are copied out after landing).
+        security: this node's CURVE key pair (producers' keys come with each ProducerAddress).
+        planes: data planes this node can use, best first.
+        ack_timeout_s / read_timeout_s / quarantine_s: see :class:`ConsumerConfig`.
+        fetch_timeout_s: default overall deadline of one fetch.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout = Layout(),
+        region_bytes: int = 256 << 20,
+        security: Security,
+        planes: tuple[str, ...] = ("nixl",),
+        ack_timeout_s: float = 2.0,
+        read_timeout_s: float = 20.0,
+        quarantine_s: float = 60.0,
+        fetch_timeout_s: float = 30.0,
+        node_id: str | None = None,
+    ):
+        from ectransport.control.zmqctl import ZmqControlClient
+
+        self.layout = layout
+        self.node_id = node_id or f"consumer-{uuid.uuid4().hex[:8]}"
+        num_blocks = region_bytes // layout.block_bytes
+        if num_blocks < 1:
+            raise ConfigError(f"region_bytes {region_bytes} is smaller than one block ({layout.block_bytes} bytes)")
+        self.region = HostRegion(num_blocks, layout.block_bytes)
+        self.store = BlockStore(num_blocks, layout.block_bytes)
+        self.fetch_timeout_s = fetch_timeout_s
+        self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
+                                     planes=tuple(planes), ack_timeout_s=ack_timeout_s,
+                                     read_timeout_s=read_timeout_s, quarantine_s=quarantine_s)
+        self._planes: dict[str, DataTransport] = {}
+        self._control = None
+        try:
+            for name in planes:
+                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region)
+            self._control = ZmqControlClient(secret_key=security.secret_key,
+                                             public_key=security.public_key,
+                                             insecure=security.insecure)
+        except BaseException:
+            self._close_resources()
+            raise
+        self._sessions: dict[str, ConsumerSession] = {}
+        self._waiters: dict[tuple[str, str], list[Future]] = {}
+        self._inbox: collections.deque = collections.deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------
+    def submit(self, producer: ProducerAddress, mm_hash: str, *,
+               timeout_s: float | None = None) -> Future:
+        """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss` by the deadline."""
+        fut: Future = Future()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
+        self._inbox.append((producer, mm_hash, deadline, fut))
+        self._control.wake()
+        return fut
+
+    def fetch(self, producer: ProducerAddress, mm_hash: str, *,
+              timeout_s: float | None = None) -> Outcome:
+        """Fetch one entry, blocking until it landed or missed (never past the deadline)."""
+        t = timeout_s if timeout_s is not None else self.fetch_timeout_s
+        fut = self.submit(producer, mm_hash, timeout_s=t)
+        try:
+            return fut.result(timeout=t + 5.0)
+        except TimeoutError:  # pragma: no cover - the loop guarantees an outcome
+            return Miss(mm_hash, MissReason.TIMEOUT, "no outcome from the consumer loop")
+
+    def plane_transports(self) -> dict[str, str]:
+        return {n: p.describe_transport() for n, p in self._planes.items()}
+
+    def close(self) -> None:
+        """Stop; in-flight fetches end as misses, handles are released. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._control is not None:
+            self._control.wake()
+        self._thread.join(timeout=10.0)
+        self._close_resources()
+
+    def __enter__(self) -> ConsumerNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        control = self._control
+        while not self._stop.is_set():
+            try:
+                self._step(control)
+            except Exception:
+                log.exception("unexpected consumer loop error (continuing)")
+                time.sleep(0.01)
+        now = time.monotonic()
+        for s in list(self._sessions.values()):
+            self._execute(s, s.close(), now)
+        while self._inbox:
+            _, mm, _, fut = self._inbox.popleft()
+            fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
+
+    def _step(self, control) -> None:
+        busy = any(s.reading() for s in self._sessions.values())
+        timeout = 0.0 if busy else self._idle_timeout()
+        events = control.poll(timeout)
+        now = time.monotonic()
+        while self._inbox:
+            producer, mm_hash, deadline, fut = self._inbox.popleft()
+            self._start(producer, mm_hash, deadline, fut, now)
+        for ev in events:
+            kind = type(ev).__name__
+            conn = getattr(ev, "source", None) or getattr(ev, "conn", None)
+            s = self._sessions.get(conn)
+            if s is None:
+                continue
+            if kind == "Received":
+                self._execute(s, s.on_frame(ev.data, now), now)
+            elif kind == "Up":
+                self._execute(s, s.on_up(now), now)
+            elif kind == "AuthFailed":
+                log.error("authentication with producer %s failed: %s", conn, ev.reason)
+                self._execute(s, s.on_auth_failed(ev.reason, now), now)
+            elif kind == "Down":
+                self._execute(s, s.on_peer_down(now), now)
+        for s in list(self._sessions.values()):
+            plane = self._planes.get(s.plane) if s.plane else None
+            if plane is not None:
+                for mm_hash, handle in s.reading():
+                    self._execute(s, s.on_read_state(mm_hash, plane.check(handle).value, now), now)
+            self._execute(s, s.poll(now), now)
+            if s.failed is not None and not s.in_flight():
+                self._drop(s)
+
+    def _idle_timeout(self) -> float:
+        ds = [d for s in self._sessions.values() if (d := s.next_deadline()) is not None]
+        if not ds:
+            return 0.1
+        return min(0.1, max(0.0, min(ds) - time.monotonic()))
+
+    def _start(self, producer: ProducerAddress, mm_hash: str, deadline: float, fut: Future,
+               now: float) -> None:
+        key = (producer.key, mm_hash)
+        waiters = self._waiters.setdefault(key, [])
+        waiters.append(fut)
+        if len(waiters) > 1:  # the same fetch is already in flight: join it
+            return
+        s = self._sessions.get(producer.key)
+        if s is None:
+            try:
+                conn = self._control.connect(producer.host, producer.port, producer.public_key)
+            except Exception as e:
+                self._resolve(producer.key, Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"))
+                return
+            s = ConsumerSession(self.config, conn, self.store, now)
+            self._sessions[conn] = s
+        self._execute(s, s.fetch(mm_hash, now, deadline), now)
+
+    def _execute(self, s: ConsumerSession, cmds: list, now: float) -> None:
+        for c in cmds:
+            if isinstance(c, Send):
+                self._control.send(c.peer, c.data)
+            elif isinstance(c, PostRead):
+                plane = self._planes[s.plane]
+                try:
+                    handle = plane.start(c.prepared, c.plane_grant, c.runs, c.nbytes, c.notif)
+                except Exception as e:
+                    log.warning("posting transfer of %s failed: %s", c.key[:12], e)
+                    self._execute(s, s.on_read_failed(c.key, str(e), now), now)
+                else:
+                    self._execute(s, s.on_read_posted(c.key, handle, now), now)
+            elif isinstance(c, Release):
+                self._planes[s.plane].release(c.handle) if s.plane else None
+            elif isinstance(c, Report):
+                self._report(s, c.outcome, now)
+
+    def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
+        if isinstance(outcome, Landed):
+            e = outcome.entry
+            data = self.region.read(e.runs, e.nbytes)
+            self.store.discard(e.mm_hash)
+            timings = dict(outcome.timings)
+            timings["total"] = timings.get("landed", 0.0) + (time.monotonic() - now)
+            result: Outcome = Fetched(e.mm_hash, data, self.layout, outcome.plane, timings)
+        else:
+            result = outcome
+        self._resolve(s.conn, result)
+
+    def _resolve(self, conn: str, result: Outcome) -> None:
+        for fut in self._waiters.pop((conn, result.mm_hash), []):
+            if not fut.done():
+                fut.set_result(result)
+
+    def _drop(self, s: ConsumerSession) -> None:
+        self._sessions.pop(s.conn, None)
+        self._control.disconnect(s.conn)
+        if s.plane and s.producer_id:
+            self._planes[s.plane].forget_peer(s.producer_id)
+
+    def _close_resources(self) -> None:
+        if self._control is not None:
+            self._control.close()
+        for p in self._planes.values():
+            p.close()
+        self._planes.clear()
+        self.region.close()

@@ -1,0 +1,217 @@
+"""ProducerNode: holds encoder outputs in a registered host region and serves them to consumers.
+
+    node = ProducerNode(layout=Layout(hidden=3584), region_bytes=1 << 30, security=sec)
+    node.start()
+    node.put(mm_hash, tensor)          # tensor: [num_tokens, hidden], layout.dtype
+    ...
+    node.close()
+
+One background thread drives the sans-I/O :class:`ProducerSession` with the ZMQ control server
+and the data plane(s). ``put`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from ectransport.data.base import DataTransport
+from ectransport.data.registry import load_plane
+from ectransport.errors import ConfigError, ECTransportError
+from ectransport.node.common import Layout, Security, as_bytes
+from ectransport.session import ProducerConfig, ProducerSession, Push, Send
+from ectransport.store import AllocFailed, BlockStore, HostRegion
+
+log = logging.getLogger("ectransport.node.producer")
+
+
+class ProducerNode:
+    """Serve encoder-cache entries (see module docstring).
+
+    Args:
+        layout: tensor layout (hidden, dtype, model id) → block size and compatibility hash.
+        region_bytes: host region size in bytes (rounded down to whole blocks; at least 1 block).
+        host / port: control-plane bind address; port 0 picks a free port (see :attr:`port`).
+        security: CURVE keys and allow-list; ``Security(insecure=True)`` for plain ZMQ.
+        planes: data planes offered, best first.
+        lease_s / budget_bytes: see :class:`ProducerConfig`.
+        node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
+
+    Raises:
+        ConfigError: bad settings, port in use, missing keys.
+        PlaneUnavailable: a requested plane cannot run here.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout = Layout(),
+        region_bytes: int = 256 << 20,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        security: Security,
+        planes: tuple[str, ...] = ("nixl",),
+        lease_s: float = 30.0,
+        budget_bytes: int | None = None,
+        node_id: str | None = None,
+    ):
+        from ectransport.control.zmqctl import ZmqControlServer
+
+        self.layout = layout
+        self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
+        num_blocks = region_bytes // layout.block_bytes
+        if num_blocks < 1:
+            raise ConfigError(f"region_bytes {region_bytes} is smaller than one block ({layout.block_bytes} bytes)")
+        self.region = HostRegion(num_blocks, layout.block_bytes)
+        self.store = BlockStore(num_blocks, layout.block_bytes)
+        self._planes: dict[str, DataTransport] = {}
+        self._control = None
+        try:
+            for name in planes:
+                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region)
+            allow = None
+            if security.allow_dir or security.allow:
+                from ectransport.control.keys import AllowList
+
+                allow = AllowList(directory=security.allow_dir, callback=security.allow)
+            self._control = ZmqControlServer(
+                host, port, secret_key=security.secret_key, public_key=security.public_key,
+                allow=allow, insecure=security.insecure)
+        except BaseException:
+            self._close_resources()
+            raise
+        self.public_key = security.public_key
+        push = frozenset(n for n, p in self._planes.items() if p.capabilities.transfer_model.value == "push")
+        self.session = ProducerSession(
+            ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
+                           push_planes=push, lease_s=lease_s, budget_bytes=budget_bytes),
+            self.store, {n: p.describe for n, p in self._planes.items()})
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._push_handles: list = []
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return self._control.host
+
+    @property
+    def port(self) -> int:
+        return self._control.port
+
+    def plane_transports(self) -> dict[str, str]:
+        """Plane name → what it runs on underneath (e.g. the UCX transports)."""
+        return {n: p.describe_transport() for n, p in self._planes.items()}
+
+    def start(self) -> ProducerNode:
+        """Start serving on a background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
+            self._thread.start()
+        return self
+
+    def put(self, mm_hash: str, tensor: object) -> bool:
+        """Copy an encoder output into the region and make it servable.
+
+        Args:
+            mm_hash: cache key.
+            tensor: ``[num_tokens, hidden]`` of ``layout.dtype`` (torch tensor on any device, or a
+                numpy array of matching bytes).
+
+        Returns:
+            True if stored (or already present), False if the region is full of pinned or
+            not-ready entries (nothing was evicted).
+
+        Raises:
+            ConfigError: shape/dtype do not match the layout.
+        """
+        self._check_tensor(tensor)
+        data = as_bytes(tensor)
+        with self._lock:
+            if mm_hash in self.store:
+                return True
+            entry = self.store.alloc(mm_hash, data.nbytes)
+            if isinstance(entry, AllocFailed):
+                log.warning("cannot store %s (%d bytes): %s", mm_hash[:12], data.nbytes, entry.reason)
+                return False
+        self.region.write(entry.runs, data)  # outside the lock: NOT_READY entries are never served
+        with self._lock:
+            self.store.mark_ready(mm_hash)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.session.stats, "active_grants": self.session.active_grants,
+                    "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
+                    "free_blocks": self.store.free_blocks}
+
+    def close(self) -> None:
+        """Stop serving, release every grant, close planes and sockets. Idempotent."""
+        self._stop.set()
+        if self._control is not None:
+            self._control.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        with self._lock:
+            self.session.close()
+        self._close_resources()
+
+    def __enter__(self) -> ProducerNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        control = self._control
+        last_sweep = 0.0
+        while not self._stop.is_set():
+            try:
+                events = control.poll(0.02)
+                cmds = []
+                with self._lock:
+                    now = time.monotonic()
+                    for ev in events:
+                        kind = type(ev).__name__
+                        if kind == "Received":
+                            cmds += self.session.on_frame(ev.source, ev.data, now, user=ev.source.user)
+                        elif kind == "Down":
+                            cmds += self.session.on_peer_down(ev.source, now)
+                    for plane in self._planes.values():
+                        for notif in plane.poll_notifications():
+                            cmds += self.session.on_notification(notif, now)
+                    if now - last_sweep > 0.05:
+                        cmds += self.session.poll(now)
+                        last_sweep = now
+                for c in cmds:
+                    if isinstance(c, Send):
+                        control.send(c.peer, c.data)
+                    elif isinstance(c, Push):
+                        plane = self._planes[self.session._peers[c.peer].plane]
+                        self._push_handles.append(plane.push(c.dest, c.runs, c.nbytes, c.notif))
+            except ECTransportError:
+                log.exception("producer loop error (continuing)")
+            except Exception:
+                log.exception("unexpected producer loop error (continuing)")
+                time.sleep(0.01)
+
+    def _check_tensor(self, tensor: object) -> None:
+        shape = getattr(tensor, "shape", None)
+        if shape is None or len(shape) != 2 or shape[1] != self.layout.hidden:
+            raise ConfigError(f"expected a [num_tokens, {self.layout.hidden}] tensor, got shape {shape}")
+        dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+        if dtype and dtype != self.layout.dtype and not dtype.startswith("uint8"):
+            raise ConfigError(f"expected dtype {self.layout.dtype}, got {dtype}")
+
+    def _close_resources(self) -> None:
+        if self._control is not None:
+            self._control.close()
+        for p in self._planes.values():
+            p.close()
+        self._planes.clear()
+        self.region.close()

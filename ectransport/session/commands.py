@@ -1,0 +1,98 @@
+"""Effects returned by the sans-I/O sessions; the node executes them.
+
+Every command is a small frozen dataclass. Sessions never perform I/O themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ectransport.store import Entry, Run
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``data`` (an encoded ECTP frame) to ``peer`` (a PeerId or a connection key)."""
+
+    peer: Any
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Push:
+    """Producer, PUSH planes: send ``nbytes`` of ``runs`` to the consumer's ``dest``."""
+
+    peer: Any
+    dest: bytes
+    runs: tuple[Run, ...]
+    nbytes: int
+    notif: bytes
+
+
+@dataclass(frozen=True)
+class PostRead:
+    """Consumer: start the data-plane transfer of ``key`` (READ: post it; PUSH: adopt it)."""
+
+    key: str
+    plane_grant: bytes
+    runs: tuple[Run, ...]
+    nbytes: int
+    notif: bytes
+    prepared: Any = None
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release a data-plane handle (exactly once per handle)."""
+
+    handle: Any
+
+
+class MissReason(enum.Enum):
+    """Why a fetch did not produce bytes; the caller recomputes locally."""
+
+    MISSING = "missing"  #: the producer does not hold the mm_hash
+    INCOMPATIBLE = "incompatible"  #: compatibility hash or data planes differ
+    VERSION = "version"  #: no common protocol version
+    BUSY = "busy"  #: the producer's budget for us stayed exhausted until our deadline
+    TIMEOUT = "timeout"  #: no ack / no completion within the deadline
+    PEER_DOWN = "peer_down"  #: the producer went away
+    QUARANTINED = "quarantined"  #: the producer is quarantined after recent failures
+    AUTH = "auth"  #: authentication with the producer failed
+    NO_SPACE = "no_space"  #: the local region cannot hold the entry
+    INTERNAL = "internal"  #: anything else (plane error, bad grant, producer NACK_INTERNAL)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A fetch that ended without bytes. ``detail`` is one human-readable line."""
+
+    mm_hash: str
+    reason: MissReason
+    detail: str = ""
+
+    ok = False
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A fetch whose bytes landed in the local ``entry`` (READY in the consumer's store)."""
+
+    mm_hash: str
+    entry: Entry
+    plane: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    ok = True
+
+
+@dataclass(frozen=True)
+class Report:
+    """Consumer: the terminal outcome of one fetch (exactly one per request)."""
+
+    outcome: Landed | Miss
+
+
+Command = Send | Push | PostRead | Release | Report

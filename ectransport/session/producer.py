@@ -1,0 +1,354 @@
+"""ProducerSession: the sans-I/O state machine that grants, pins and unpins encoder-cache entries.
+
+One ProducerSession serves every consumer of a producer node. Feed it decoded-or-raw frames, data-
+plane notifications, peer-down events and the time; it returns commands (:mod:`.commands`).
+
+Grant lifecycle (per grant key ``(session_id, mm_hash, grant_id)``)::
+
+    XferReq ──► [checks] ──► PINNED under lease ──► unpinned exactly once, on the first of:
+                                                     data-plane notification | XferDone |
+                                                     lease expiry (poll) | consumer down
+
+Checks on an XferReq, in order (each failure is a NACK and takes no pin): Hello done for this peer
+(BAD_REQUEST), frame version = negotiated (VERSION), session id non-empty and bound to this peer
+(BAD_REQUEST), compatibility hash (INCOMPAT), a live grant for the same (session, mm_hash) is
+answered again without a second pin, entry present (MISSING) and ready (NOT_READY), the peer's
+pinned-bytes budget (BUSY).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ectransport.protocol import (
+    SUPPORTED_VERSIONS,
+    FrameError,
+    Grant,
+    Hello,
+    Nack,
+    Renew,
+    Status,
+    Welcome,
+    XferAck,
+    XferDone,
+    XferReq,
+    decode,
+    encode,
+)
+from ectransport.protocol.codec import peek_ids
+from ectransport.session.commands import Command, Push, Send
+from ectransport.store import BlockStore, Run
+
+log = logging.getLogger("ectransport.session.producer")
+
+Describe = Callable[[Sequence[Run], int], bytes]
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """Producer-side settings (seconds, bytes).
+
+    Attributes:
+        node_id: this node's name, sent in Welcome.
+        compat_hash: see :func:`ectransport.protocol.compat_hash`.
+        planes: data planes offered, best first.
+        push_planes: the subset of ``planes`` that push (the producer sends after granting).
+        versions: protocol versions spoken.
+        lease_s: pin lease of a grant [30 s, as vLLM's ECCPUConnector].
+        budget_bytes: max bytes pinned per consumer identity; None = a quarter of the region.
+    """
+
+    node_id: str
+    compat_hash: str
+    planes: tuple[str, ...] = ("nixl",)
+    push_planes: frozenset[str] = frozenset()
+    versions: tuple[int, ...] = SUPPORTED_VERSIONS
+    lease_s: float = 30.0
+    budget_bytes: int | None = None
+
+
+@dataclass
+class _Peer:
+    peer: Any
+    session_id: str
+    version: int
+    plane: str
+    identity: str  # budget / quarantine identity: CURVE key, else the session id
+    grants: set[tuple[str, str, int]] = field(default_factory=set)
+
+
+@dataclass
+class _Grant:
+    key: tuple[str, str, int]
+    peer: Any
+    identity: str
+    entry_id: int
+    runs: tuple[Run, ...]
+    nbytes: int
+    pinned_bytes: int
+    deadline: float
+    ack: bytes
+
+
+class ProducerSession:
+    """Grants access to entries of ``store`` (see module docstring).
+
+    Args:
+        config: :class:`ProducerConfig`.
+        store: the producer's block store (shared with the node, which serialises access).
+        describers: plane name → function giving the ``plane_grant`` for a list of runs.
+        rng: source of grant ids (default: the OS CSPRNG; tests pass a seeded Random).
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig,
+        store: BlockStore,
+        describers: dict[str, Describe],
+        *,
+        rng: random.Random | None = None,
+    ):
+        self.config = config
+        self.store = store
+        self.describers = describers
+        self._rng = rng or random.SystemRandom()
+        self._peers: dict[Any, _Peer] = {}
+        self._sessions: dict[str, Any] = {}  # session_id -> peer
+        self._grants: dict[tuple[str, str, int], _Grant] = {}
+        self._live: dict[tuple[str, str], int] = {}  # (session, mm_hash) -> grant id
+        self._pinned_by: dict[str, int] = {}  # identity -> pinned bytes
+        self.budget_bytes = (
+            config.budget_bytes if config.budget_bytes is not None else store.region_bytes // 4
+        )
+        self.stats: dict[str, int] = {
+            "grants": 0, "completed": 0, "expired": 0, "released_peer_down": 0,
+            "bad_frames": 0, "late_signals": 0,
+        }
+        self.nacks: dict[Status, int] = {}
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def active_grants(self) -> int:
+        return len(self._grants)
+
+    def pinned_bytes(self, identity: str | None = None) -> int:
+        if identity is None:
+            return sum(self._pinned_by.values())
+        return self._pinned_by.get(identity, 0)
+
+    def grant_keys(self) -> list[tuple[str, str, int]]:
+        return list(self._grants)
+
+    # -- events --------------------------------------------------------------------------------
+    def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Command]:
+        """A frame from ``peer`` (``user`` = its authenticated identity, "" if none)."""
+        state = self._peers.get(peer)
+        versions = (state.version,) if state else self.config.versions
+        try:
+            msg = decode(data, versions=versions)
+        except FrameError as e:
+            self.stats["bad_frames"] += 1
+            return [self._reject(peer, e, data)]
+        match msg:
+            case Hello():
+                return self._on_hello(peer, msg, user)
+            case XferReq():
+                return self._on_req(peer, state, msg, now)
+            case XferDone():
+                if state is None or msg.session_id != state.session_id:
+                    return [self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")]
+                self._release((msg.session_id, msg.mm_hash, msg.grant_id), "completed")
+                return []
+            case Renew():
+                if state is None or msg.session_id != state.session_id:
+                    return [self._nack(peer, Status.NACK_BAD_REQUEST, "Renew for a foreign session")]
+                ext = max(0.0, min(float(msg.extend_s), self.config.lease_s))
+                for gid in msg.grant_ids[:4096]:
+                    for key in [k for k in state.grants if k[2] == gid]:
+                        g = self._grants[key]
+                        g.deadline = max(g.deadline, now + ext)
+                return []
+            case _:
+                return [self._nack(peer, Status.NACK_BAD_REQUEST, f"unexpected {type(msg).__name__}")]
+
+    def on_notification(self, notif: bytes, now: float) -> list[Command]:
+        """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
+        key = parse_notif(notif)
+        if key is not None:
+            self._release(key, "completed")
+        return []
+
+    def on_peer_down(self, peer: Any, now: float) -> list[Command]:
+        """The consumer went away: release its grants at once instead of waiting for leases."""
+        state = self._peers.pop(peer, None)
+        if state is None:
+            return []
+        self._sessions.pop(state.session_id, None)
+        for key in list(state.grants):
+            self._release(key, "released_peer_down")
+        return []
+
+    def poll(self, now: float) -> list[Command]:
+        """Sweep every lease; unpin expired grants exactly once."""
+        for key in [k for k, g in self._grants.items() if g.deadline <= now]:
+            log.warning("lease expired: session=%s mm_hash=%s grant=%d", key[0][:8], key[1][:12], key[2])
+            self._release(key, "expired")
+        return []
+
+    def close(self) -> None:
+        """Release every grant (shutdown)."""
+        for key in list(self._grants):
+            self._release(key, "released_peer_down")
+
+    # -- handlers ------------------------------------------------------------------------------
+    def _on_hello(self, peer: Any, msg: Hello, user: str) -> list[Command]:
+        cfg = self.config
+
+        def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "") -> Send:
+            if status is not Status.OK:
+                self.nacks[status] = self.nacks.get(status, 0) + 1
+            return Send(peer, encode(Welcome(
+                v=max(cfg.versions), session_id=msg.session_id, node_id=cfg.node_id,
+                status=status, version=version, plane=plane, versions=list(cfg.versions),
+                planes=list(cfg.planes), compat_hash=cfg.compat_hash, detail=detail[:1000],
+            )))
+
+        if not msg.session_id:
+            return [welcome(Status.NACK_BAD_REQUEST, detail="empty session id")]
+        owner = self._sessions.get(msg.session_id)
+        if owner is not None and owner != peer:
+            # a reconnect (new route) may take its session over only with the same identity
+            if self._peers[owner].identity != (user or msg.session_id):
+                return [welcome(Status.NACK_BAD_REQUEST, detail="session id bound to another peer")]
+            self.on_peer_down(owner, 0.0)
+        if msg.compat_hash != cfg.compat_hash:
+            return [welcome(Status.NACK_INCOMPAT, detail=(
+                f"compatibility hash mismatch: producer {cfg.compat_hash[:12]}, "
+                f"consumer {msg.compat_hash[:12]} (model/dtype/hidden/layout differ)"))]
+        common = set(cfg.versions) & set(msg.versions)
+        if not common:
+            return [welcome(Status.NACK_VERSION, detail=(
+                f"no common protocol version: producer speaks {sorted(cfg.versions)}, "
+                f"consumer {sorted(msg.versions)}"))]
+        plane = next((p for p in msg.planes if p in cfg.planes), None)
+        if plane is None:
+            return [welcome(Status.NACK_INCOMPAT, detail=(
+                f"no common data plane: producer offers {list(cfg.planes)}, "
+                f"consumer offers {list(msg.planes)}"))]
+        old = self._peers.get(peer)
+        if old is not None and old.session_id != msg.session_id:
+            self.on_peer_down(peer, 0.0)  # a new session on the same connection supersedes the old
+        state = self._peers.get(peer)
+        if state is None:
+            state = _Peer(peer, msg.session_id, max(common), plane, user or msg.session_id)
+            self._peers[peer] = state
+            self._sessions[msg.session_id] = peer
+        return [welcome(Status.OK, state.version, state.plane)]
+
+    def _on_req(self, peer: Any, state: _Peer | None, msg: XferReq, now: float) -> list[Command]:
+        cfg = self.config
+
+        def nack(status: Status, detail: str) -> list[Command]:
+            self.nacks[status] = self.nacks.get(status, 0) + 1
+            ack = XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash, status=status,
+                          grant=None, detail=detail)
+            return [Send(peer, encode(ack))]
+
+        if state is None:
+            return nack(Status.NACK_BAD_REQUEST, "send Hello first")
+        if not msg.session_id:
+            return nack(Status.NACK_BAD_REQUEST, "empty session id")
+        if msg.session_id != state.session_id:
+            return nack(Status.NACK_BAD_REQUEST, "session id is not this connection's session")
+        if msg.compat_hash != cfg.compat_hash:
+            return nack(Status.NACK_INCOMPAT, "compatibility hash mismatch")
+        live = self._live.get((msg.session_id, msg.mm_hash))
+        if live is not None:  # duplicate request: same grant, no second pin
+            return [Send(peer, self._grants[(msg.session_id, msg.mm_hash, live)].ack)]
+        entry = self.store.get(msg.mm_hash)
+        if entry is None:
+            return nack(Status.NACK_MISSING, "not in this producer's cache")
+        if not entry.ready:
+            return nack(Status.NACK_NOT_READY, "entry allocated, save not landed yet")
+        pinned_bytes = entry.num_blocks * self.store.block_bytes
+        used = self._pinned_by.get(state.identity, 0)
+        if used + pinned_bytes > self.budget_bytes:
+            return nack(Status.NACK_BUSY, f"pin budget: {used}+{pinned_bytes} > {self.budget_bytes} bytes")
+        describe = self.describers.get(state.plane)
+        if describe is None:
+            return nack(Status.NACK_INTERNAL, f"plane {state.plane} not available")
+        entry = self.store.pin_if_ready(msg.mm_hash)
+        assert entry is not None
+        try:
+            plane_grant = describe(entry.runs, entry.nbytes)
+        except Exception as e:  # a plane bug must not leak a pin or kill the node
+            self.store.unpin(entry.mm_hash, entry.entry_id)
+            log.exception("plane %s failed to describe a grant", state.plane)
+            return nack(Status.NACK_INTERNAL, f"plane error: {type(e).__name__}")
+        gid = self._rng.getrandbits(63)
+        key = (msg.session_id, msg.mm_hash, gid)
+        grant = Grant(grant_id=gid, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
+                      block_bytes=self.store.block_bytes, lease_s=cfg.lease_s, plane=state.plane,
+                      plane_grant=plane_grant)
+        ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
+                             status=Status.OK, grant=grant, detail=""))
+        self._grants[key] = _Grant(key, peer, state.identity, entry.entry_id, entry.runs,
+                                   entry.nbytes, pinned_bytes, now + cfg.lease_s, ack)
+        self._live[key[:2]] = gid
+        state.grants.add(key)
+        self._pinned_by[state.identity] = used + pinned_bytes
+        self.stats["grants"] += 1
+        cmds: list[Command] = [Send(peer, ack)]
+        if state.plane in cfg.push_planes:
+            cmds.append(Push(peer, msg.dest, entry.runs, entry.nbytes, notif_for(key)))
+        return cmds
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _release(self, key: tuple[str, str, int], why: str) -> bool:
+        g = self._grants.pop(key, None)
+        if g is None:
+            self.stats["late_signals"] += 1
+            return False
+        self._live.pop(key[:2], None)
+        st = self._peers.get(g.peer)
+        if st is not None:
+            st.grants.discard(key)
+        left = self._pinned_by.get(g.identity, 0) - g.pinned_bytes
+        if left > 0:
+            self._pinned_by[g.identity] = left
+        else:
+            self._pinned_by.pop(g.identity, None)
+        self.store.unpin(key[1], g.entry_id)
+        self.stats[why] += 1
+        return True
+
+    def _nack(self, peer: Any, status: Status, detail: str) -> Send:
+        self.nacks[status] = self.nacks.get(status, 0) + 1
+        return Send(peer, encode(Nack(v=max(self.config.versions), status=status, detail=detail)))
+
+    def _reject(self, peer: Any, err: FrameError, data: bytes) -> Send:
+        if err.kind == "req":  # answer as an ack so the consumer can attribute it to its request
+            sid, mm = peek_ids(data)
+            self.nacks[err.status] = self.nacks.get(err.status, 0) + 1
+            return Send(peer, encode(XferAck(
+                v=max(self.config.versions), session_id=sid, mm_hash=mm, status=err.status,
+                grant=None, detail=err.detail[:1000])))
+        return self._nack(peer, err.status, err.detail[:1000])
+
+
+def notif_for(key: tuple[str, str, int]) -> bytes:
+    """Completion notification for a grant: ``b"<grant_id>:<session_id>:<mm_hash>"`` (ASCII)."""
+    return f"{key[2]}:{key[0]}:{key[1]}".encode()
+
+
+def parse_notif(notif: bytes) -> tuple[str, str, int] | None:
+    """Inverse of :func:`notif_for`; None for anything malformed."""
+    try:
+        gid, sid, mm = notif.decode("utf-8").split(":", 2)
+        return (sid, mm, int(gid))
+    except (UnicodeDecodeError, ValueError):
+        return None

@@ -1,0 +1,62 @@
+"""Shared fixtures for sans-I/O session tests: a producer and consumers wired by hand."""
+
+from __future__ import annotations
+
+import random
+
+from ectransport.protocol import compat_hash, decode
+from ectransport.session import (
+    ConsumerConfig,
+    ConsumerSession,
+    ProducerConfig,
+    ProducerSession,
+    Send,
+)
+from ectransport.store import BlockStore
+
+HIDDEN = 8
+BLOCK = HIDDEN * 2
+COMPAT = compat_hash("m", "bfloat16", HIDDEN)
+
+
+def describe(runs, nbytes):
+    return repr([(r.start, r.count) for r in runs]).encode()
+
+
+def make_producer(num_blocks=64, **kw) -> tuple[ProducerSession, BlockStore]:
+    store = BlockStore(num_blocks, BLOCK)
+    cfg = ProducerConfig(node_id="p", compat_hash=kw.pop("compat", COMPAT), **kw)
+    return ProducerSession(cfg, store, {"nixl": describe}, rng=random.Random(7)), store
+
+
+def make_consumer(conn="c1", num_blocks=64, now=0.0, **kw) -> ConsumerSession:
+    cfg = ConsumerConfig(node_id="c", compat_hash=kw.pop("compat", COMPAT), **kw)
+    return ConsumerSession(cfg, conn, BlockStore(num_blocks, BLOCK), now)
+
+
+def put(store: BlockStore, mm_hash: str, rows: int, ready=True):
+    e = store.alloc(mm_hash, rows * BLOCK)
+    if ready:
+        store.mark_ready(mm_hash)
+    return e
+
+
+def sends(cmds):
+    return [c for c in cmds if isinstance(c, Send)]
+
+
+def msgs(cmds, versions=(1,)):
+    return [decode(c.data, versions=versions) for c in sends(cmds)]
+
+
+def pump(producer, consumer, cmds, now, peer="peer1", user=""):
+    """Deliver consumer commands to the producer and its replies back; returns the rest."""
+    rest = []
+    for c in cmds:
+        if isinstance(c, Send):
+            for r in producer.on_frame(peer, c.data, now, user=user):
+                if isinstance(r, Send):
+                    rest += consumer.on_frame(r.data, now)
+        else:
+            rest.append(c)
+    return rest
