@@ -1,0 +1,3 @@
+from ectransport.cli.main import main
+
+main()
