@@ -152,6 +152,7 @@ def _consume(console, info, items, encoder, layout, security, planes, repeats, i
                 times.append(dt)
                 verified &= bool(np.array_equal(r.data, ref_bytes))
                 plane = r.plane
+                del r  # return the landing blocks to the consumer's region
             all_ok &= verified
             rows.append({
                 "item": item.name, "mm_hash": d["mm_hash"], "tokens": d["tokens"],

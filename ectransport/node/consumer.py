@@ -15,10 +15,12 @@ deadline in exactly one :class:`Fetched` or :class:`Miss`.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -59,11 +61,17 @@ class ProducerAddress:
 
 @dataclass(frozen=True)
 class Fetched:
-    """A fetched entry: ``data`` holds its bytes (1-D uint8 array, a private copy).
+    """A fetched entry.
+
+    ``data`` is a 1-D uint8 array **over the consumer's landing region** (zero copy): the local
+    blocks stay pinned for as long as ``data`` or anything derived from it (numpy views, the
+    :meth:`tensor`) is alive, and are returned to the region when the last of them is garbage-
+    collected. Keep what you need, drop the rest; a consumer whose region is full of held entries
+    reports ``Miss(NO_SPACE)``.
 
     Attributes:
         timings: seconds since the fetch started: ``req`` (XferReq sent), ``ack``, ``posted``
-            (data-plane transfer posted), ``landed``; plus ``total``.
+            (data-plane transfer posted), ``landed``; plus ``total`` (until the result was ready).
         plane: the data plane that moved the bytes.
     """
 
@@ -170,7 +178,9 @@ class ConsumerNode:
         return {n: p.describe_transport() for n, p in self._planes.items()}
 
     def close(self) -> None:
-        """Stop; in-flight fetches end as misses, handles are released. Idempotent."""
+        """Stop; in-flight fetches end as misses, handles are released. Idempotent.
+
+        The landing region stays mapped while a :class:`Fetched` still refers to it."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -198,8 +208,9 @@ class ConsumerNode:
         for s in list(self._sessions.values()):
             self._execute(s, s.close(), now)
         while self._inbox:
-            _, mm, _, fut = self._inbox.popleft()
-            fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
+            producer, mm, _, fut = self._inbox.popleft()
+            if fut is not None:
+                fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
 
     def _step(self, control) -> None:
         busy = any(s.reading() for s in self._sessions.values())
@@ -208,7 +219,10 @@ class ConsumerNode:
         now = time.monotonic()
         while self._inbox:
             producer, mm_hash, deadline, fut = self._inbox.popleft()
-            self._start(producer, mm_hash, deadline, fut, now)
+            if producer == "release":
+                self._release(mm_hash, deadline)
+            else:
+                self._start(producer, mm_hash, deadline, fut, now)
         for ev in events:
             kind = type(ev).__name__
             conn = getattr(ev, "source", None) or getattr(ev, "conn", None)
@@ -278,14 +292,38 @@ class ConsumerNode:
     def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
         if isinstance(outcome, Landed):
             e = outcome.entry
-            data = self.region.read(e.runs, e.nbytes)
-            self.store.discard(e.mm_hash)
+            if len(e.runs) == 1:  # zero copy: hand out the landing blocks, pinned until released
+                self.store.pin_if_ready(e.mm_hash)
+                owner = (ctypes.c_uint8 * e.nbytes).from_address(
+                    self.region.addr + e.runs[0].start * self.region.block_bytes) if e.nbytes else None
+                data = np.frombuffer(owner, dtype=np.uint8) if owner is not None else \
+                    np.empty(0, dtype=np.uint8)
+                if owner is not None:
+                    weakref.finalize(owner, self._release_later, e.mm_hash, e.entry_id)
+                else:
+                    self._release(e.mm_hash, e.entry_id)
+            else:  # scattered landing blocks: one copy into a contiguous array
+                data = self.region.read(e.runs, e.nbytes)
+                self.store.discard(e.mm_hash)
             timings = dict(outcome.timings)
             timings["total"] = timings.get("landed", 0.0) + (time.monotonic() - now)
-            result: Outcome = Fetched(e.mm_hash, data, self.layout, outcome.plane, timings)
+            result: Outcome = Fetched(outcome.mm_hash, data, self.layout, outcome.plane, timings)
         else:
             result = outcome
         self._resolve(s.conn, result)
+
+    def _release_later(self, local_key: str, entry_id: int) -> None:
+        """Finalizer of a Fetched's buffer (any thread): return its blocks via the loop."""
+        if self._stop.is_set():
+            return
+        self._inbox.append(("release", local_key, entry_id, None))
+        self._control.wake()
+
+    def _release(self, local_key: str, entry_id: int) -> None:
+        e = self.store.get(local_key)
+        if e is not None and e.entry_id == entry_id:
+            self.store.unpin(local_key, entry_id)
+            self.store.discard(local_key)
 
     def _resolve(self, conn: str, result: Outcome) -> None:
         for fut in self._waiters.pop((conn, result.mm_hash), []):

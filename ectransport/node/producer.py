@@ -201,11 +201,16 @@ class ProducerNode:
                 time.sleep(0.01)
 
     def _check_tensor(self, tensor: object) -> None:
-        shape = getattr(tensor, "shape", None)
-        if shape is None or len(shape) != 2 or shape[1] != self.layout.hidden:
-            raise ConfigError(f"expected a [num_tokens, {self.layout.hidden}] tensor, got shape {shape}")
+        """Accept ``[num_tokens, hidden]`` of the layout dtype, or raw uint8 rows of block_bytes."""
+        shape = tuple(getattr(tensor, "shape", ()))
         dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
-        if dtype and dtype != self.layout.dtype and not dtype.startswith("uint8"):
+        raw = dtype == "uint8"
+        width = self.layout.block_bytes if raw else self.layout.hidden
+        if len(shape) != 2 or shape[1] != width:
+            raise ConfigError(f"expected a [num_tokens, {self.layout.hidden}] {self.layout.dtype} "
+                              f"tensor (or uint8 rows of {self.layout.block_bytes} bytes), got "
+                              f"shape {shape} {dtype}")
+        if not raw and dtype != self.layout.dtype:
             raise ConfigError(f"expected dtype {self.layout.dtype}, got {dtype}")
 
     def _close_resources(self) -> None:

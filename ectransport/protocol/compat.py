@@ -72,7 +72,9 @@ def compat_hash(
     if hidden <= 0:
         raise ValueError(f"hidden must be positive, got {hidden}")
     dt = dtype.removeprefix("torch.")
-    block_bytes = hidden * element_size(dt)
+    if dt not in _ELEMENT_SIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_ELEMENT_SIZE)}")
+    block_bytes = hidden * _ELEMENT_SIZE[dt]
     doc = {
         "model": model_id,
         "dtype": dt,

@@ -12,7 +12,9 @@ One ConsumerSession per producer connection (``conn``); many fetches in flight. 
                                              quarantine deadline (handle released once)
 
 Every fetch ends in exactly one :class:`Report` by its deadline. Local blocks are allocated from
-the consumer's :class:`BlockStore` once the ack tells the size; they become READY on DONE.
+the consumer's :class:`BlockStore` once the ack tells the size, under the key ``<mm_hash>#<n>``
+(so several landed copies of one mm_hash may coexist); they become READY on DONE and belong to
+the caller from then on.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class Fetch:
     final_deadline: float  # the caller's overall deadline
     started: float
     grant_id: int = -1
-    entry: Entry | None = None
+    entry: Entry | None = None  # local landing blocks, keyed "<mm_hash>#<n>" in the store
     handle: Any = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -135,6 +137,7 @@ class ConsumerSession:
         self._hello_deadline = now + config.hello_timeout_s
         self._fetches: dict[str, Fetch] = {}
         self._quarantine: dict[str, Fetch] = {}
+        self._seq = 0  # local landing entries are keyed "<mm_hash>#<seq>": a landing zone, not a cache
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -236,7 +239,7 @@ class ConsumerSession:
             return []
         if state == "done":
             assert f.entry is not None
-            self.store.mark_ready(f.mm_hash)
+            self.store.mark_ready(f.entry.mm_hash)
             f.timings["landed"] = now
             return self._finish(f, Landed(f.mm_hash, f.entry, self.plane or "",
                                           {k: v - f.started for k, v in f.timings.items()}), ok=True)
@@ -320,7 +323,8 @@ class ConsumerSession:
                 cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
             return cmds
         f.grant_id = g.grant_id
-        entry = self.store.alloc(f.mm_hash, g.entry_bytes)
+        self._seq += 1
+        entry = self.store.alloc(f"{f.mm_hash}#{self._seq}", g.entry_bytes)
         if isinstance(entry, AllocFailed):
             del self._fetches[f.mm_hash]
             return [self._done(f.mm_hash, g.grant_id, ok=False),
@@ -344,7 +348,7 @@ class ConsumerSession:
             cmds.append(Release(f.handle))
             f.handle = None
         if not ok and f.entry is not None:
-            self.store.discard(f.mm_hash)
+            self.store.discard(f.entry.mm_hash)
         if f.grant_id >= 0 and self.welcomed:
             cmds.append(self._done(f.mm_hash, f.grant_id, ok=ok))
         cmds.append(Report(outcome))
@@ -355,7 +359,7 @@ class ConsumerSession:
         cmds: list[Command] = [Report(Miss(f.mm_hash, reason, detail + "; transfer quarantined"))]
         if f.handle is None:  # nothing in flight on the data plane: free at once
             if f.entry is not None:
-                self.store.discard(f.mm_hash)
+                self.store.discard(f.entry.mm_hash)
             return cmds
         f.state = FetchState.QUARANTINED
         f.deadline = now + self.config.quarantine_s
@@ -371,7 +375,7 @@ class ConsumerSession:
             cmds.append(Release(q.handle))
             q.handle = None
         if q.entry is not None:
-            self.store.discard(q.mm_hash)
+            self.store.discard(q.entry.mm_hash)
         return cmds
 
     def _fail_session(self, miss: Miss, terminal: bool = True) -> list[Command]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,9 @@ from ectransport.session.commands import Command, Push, Send
 from ectransport.store import BlockStore, Run
 
 log = logging.getLogger("ectransport.session.producer")
+
+#: Session ids are opaque to the producer but must not contain ':' (the notification separator).
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 Describe = Callable[[Sequence[Run], int], bytes]
 
@@ -217,8 +221,9 @@ class ProducerSession:
                 planes=list(cfg.planes), compat_hash=cfg.compat_hash, detail=detail[:1000],
             )))
 
-        if not msg.session_id:
-            return [welcome(Status.NACK_BAD_REQUEST, detail="empty session id")]
+        if not _SESSION_ID.fullmatch(msg.session_id):
+            return [welcome(Status.NACK_BAD_REQUEST,
+                            detail="session id must be 1-128 characters of [A-Za-z0-9_-]")]
         owner = self._sessions.get(msg.session_id)
         if owner is not None and owner != peer:
             # a reconnect (new route) may take its session over only with the same identity
@@ -292,7 +297,7 @@ class ProducerSession:
         gid = self._rng.getrandbits(63)
         key = (msg.session_id, msg.mm_hash, gid)
         grant = Grant(grant_id=gid, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
-                      block_bytes=self.store.block_bytes, lease_s=cfg.lease_s, plane=state.plane,
+                      block_bytes=self.store.block_bytes, lease_s=float(cfg.lease_s), plane=state.plane,
                       plane_grant=plane_grant)
         ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
                              status=Status.OK, grant=grant, detail=""))
@@ -326,16 +331,20 @@ class ProducerSession:
         self.stats[why] += 1
         return True
 
+    def _version_for(self, peer: Any) -> int:
+        state = self._peers.get(peer)
+        return state.version if state else max(self.config.versions)
+
     def _nack(self, peer: Any, status: Status, detail: str) -> Send:
         self.nacks[status] = self.nacks.get(status, 0) + 1
-        return Send(peer, encode(Nack(v=max(self.config.versions), status=status, detail=detail)))
+        return Send(peer, encode(Nack(v=self._version_for(peer), status=status, detail=detail)))
 
     def _reject(self, peer: Any, err: FrameError, data: bytes) -> Send:
         if err.kind == "req":  # answer as an ack so the consumer can attribute it to its request
             sid, mm = peek_ids(data)
             self.nacks[err.status] = self.nacks.get(err.status, 0) + 1
             return Send(peer, encode(XferAck(
-                v=max(self.config.versions), session_id=sid, mm_hash=mm, status=err.status,
+                v=self._version_for(peer), session_id=sid, mm_hash=mm, status=err.status,
                 grant=None, detail=err.detail[:1000])))
         return self._nack(peer, err.status, err.detail[:1000])
 
@@ -349,6 +358,8 @@ def parse_notif(notif: bytes) -> tuple[str, str, int] | None:
     """Inverse of :func:`notif_for`; None for anything malformed."""
     try:
         gid, sid, mm = notif.decode("utf-8").split(":", 2)
-        return (sid, mm, int(gid))
     except (UnicodeDecodeError, ValueError):
         return None
+    if not (gid.isascii() and gid.isdigit()) or not _SESSION_ID.fullmatch(sid):
+        return None
+    return (sid, mm, int(gid))

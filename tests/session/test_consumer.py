@@ -30,7 +30,7 @@ def test_hello_then_request_then_read_lands():
     cmds = pump(p, c, cmds, 0.1) if any(not isinstance(x, PostRead) for x in cmds) else cmds
     (post,) = [x for x in cmds if isinstance(x, PostRead)]
     assert post.nbytes == 5 * BLOCK and sum(r.count for r in post.runs) == 5
-    assert c.store.get("a").ready is False  # local blocks reserved, not ready
+    assert c.store.get("a#1").ready is False  # local blocks reserved, not ready
     assert c.on_read_posted("a", "H", 0.2) == []
     assert c.reading() == [("a", "H")]
     assert c.on_read_state("a", "proc", 0.3) == []
@@ -39,7 +39,7 @@ def test_hello_then_request_then_read_lands():
     (done,) = [m for m in msgs(out) if isinstance(m, XferDone)]
     assert done.ok and done.mm_hash == "a"
     (landed,) = reports(out)
-    assert isinstance(landed, Landed) and landed.entry.ready and c.store.get("a").ready
+    assert isinstance(landed, Landed) and landed.entry.ready and c.store.get("a#1").ready
     p.on_frame("peer1", encode(done), 0.5)
     assert pstore.get("a").pins == 0
     assert c.in_flight() == 0
@@ -105,12 +105,12 @@ def test_read_deadline_quarantines_until_settled():
     assert m.reason is MissReason.TIMEOUT and "quarantined" in m.detail
     assert [x for x in msgs(out) if isinstance(x, XferDone)][0].ok is False
     # blocks stay reserved while the DMA may still land
-    assert c.store.get("a") is not None and c.reading() == [("a", "H")]
+    assert c.store.get("a#1") is not None and c.reading() == [("a", "H")]
     assert c.on_read_state("a", "proc", 30.0) == []
-    assert c.store.get("a") is not None
+    assert c.store.get("a#1") is not None
     out = c.poll(80.0)  # quarantine deadline: release exactly once, free the blocks
     assert out == [Release("H")]
-    assert c.store.get("a") is None and c.in_flight() == 0
+    assert c.store.get("a#1") is None and c.in_flight() == 0
     assert c.poll(200.0) == [] and c.on_read_state("a", "done", 201.0) == []
     c.store.check_invariants()
 
@@ -124,7 +124,7 @@ def test_quarantine_settles_early_when_plane_reports_over():
     c.on_read_posted("a", "H", 0.0)
     c.poll(1.0)
     assert c.on_read_state("a", "err", 2.0) == [Release("H")]
-    assert c.store.get("a") is None
+    assert c.store.get("a#1") is None
 
 
 def test_read_error_frees_blocks_and_tells_producer():
@@ -136,7 +136,7 @@ def test_read_error_frees_blocks_and_tells_producer():
     c.on_read_posted("a", "H", 0.1)
     out = c.on_read_state("a", "err", 0.2)
     assert Release("H") in out and reports(out)[0].reason is MissReason.INTERNAL
-    assert c.store.get("a") is None
+    assert c.store.get("a#1") is None
     for s in msgs(out):
         p.on_frame("peer1", encode(s), 0.3)
     assert pstore.get("a").pins == 0

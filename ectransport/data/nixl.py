@@ -1,0 +1,491 @@
+"""The NIXL data plane: one-sided READ of granted blocks over NIXL's UCX backend.
+
+The producer registers its whole region once and hands out, per grant, a :class:`NixlGrant`: its
+agent name, its agent metadata (cached at start-up) and one ``(addr, length)`` descriptor per
+contiguous run of the *granted* blocks only (vLLM's ECCPUConnector sends whole-region descriptors;
+we do not). The consumer loads the producer's metadata once per agent name, posts a READ of those
+descriptors into its own blocks and polls the handle; NIXL delivers ``notif`` to the producer when
+the READ completes (:meth:`NixlPlane.poll_notifications`).
+
+Agent names are ``f"{node_id}-{8 hex digits}"``, fresh at every start, so a restarted producer is a
+new agent and never reuses a consumer's stale connection.
+
+Importing this module does not import nixl (that takes seconds); the constructor does.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from ectransport.data.base import (
+    Capabilities,
+    DataTransport,
+    RegionLike,
+    TransferModel,
+    XferState,
+)
+from ectransport.errors import ConfigError, DataPlaneError, PlaneUnavailable
+from ectransport.store import Run
+
+_INSTALL_HINT = "install it with: pip install 'ectransport[nixl]'"
+_MEM_KINDS = ("DRAM", "VRAM")
+_OPTIONS = {"num_threads", "prog_thread"}
+
+
+class NixlGrant(msgspec.Struct, frozen=True, tag="nixl/1", forbid_unknown_fields=True):
+    """The ``plane_grant`` of the NIXL plane (msgpack; opaque to everything but this module).
+
+    Attributes:
+        agent: the producer's NIXL agent name.
+        meta: the producer's agent metadata (``nixl_agent.get_agent_metadata()``, ~0.5 KB).
+        mem_kind: memory kind of the producer's region, ``"DRAM"`` or ``"VRAM"``.
+        dev_id: device id of the producer's region (0 for DRAM).
+        descs: ``(addr, length)`` in bytes, one per contiguous run of granted blocks, in payload
+            order; lengths are whole blocks (``count × block_bytes``).
+    """
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    meta: bytes
+    mem_kind: str
+    dev_id: Annotated[int, msgspec.Meta(ge=0)]
+    descs: list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(gt=0)]]]
+
+
+_log = logging.getLogger(__name__)
+
+# NIXL's native errors (nixlNotFoundError, nixlBackendError, ...) derive from Exception directly,
+# with no common base, and are only importable once nixl is; the NIXL boundary therefore catches
+# Exception (``noqa: BLE001``) and turns it into a DataPlaneError, an ERR state or a debug log.
+
+
+def _quietly(what: str, fn: Any, *args: Any) -> bool:
+    """Call ``fn(*args)`` for cleanup; log (debug) instead of raising. True if it succeeded."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - see above
+        _log.debug("nixl plane: %s failed: %s", what, exc)
+        return False
+    return True
+
+
+_grant_encoder = msgspec.msgpack.Encoder()
+_grant_decoder = msgspec.msgpack.Decoder(NixlGrant)
+
+
+class _Read:
+    """Consumer-side handle of one posted READ."""
+
+    __slots__ = ("agent", "nbytes", "state", "xfer")
+
+    def __init__(self, xfer: Any, agent: str, nbytes: int):
+        self.xfer = xfer  # nixl_xfer_handle; None once released
+        self.agent = agent
+        self.nbytes = nbytes
+        self.state = XferState.PROC
+
+
+class _LazyCapabilities:
+    """Class attribute computed on first access: VRAM is offered only if CUDA is usable."""
+
+    def __init__(self) -> None:
+        self._caps: Capabilities | None = None
+
+    def __get__(self, obj: object, owner: type) -> Capabilities:
+        if self._caps is None:
+            kinds = {"DRAM"}
+            if _cuda_available():
+                kinds.add("VRAM")
+            self._caps = Capabilities(
+                transfer_model=TransferModel.READ,
+                mem_kinds=frozenset(kinds),
+                max_transfer_bytes=None,
+                notifications=True,
+            )
+        return self._caps
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken torch install means no VRAM, not a crash
+        return False
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """``(nixl_agent, nixl_agent_config)``; PlaneUnavailable if nixl is missing or broken."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise PlaneUnavailable(f"the nixl data plane needs nixl ({exc}); {_INSTALL_HINT}") from exc
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # nixl logs every agent and backend creation at INFO to stdout; keep warnings and errors
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_agent, nixl_agent_config
+
+
+def _merge(runs: Sequence[Run], base: int, block_bytes: int) -> list[tuple[int, int]]:
+    """``runs`` as ``(addr, length)`` bytes, adjacent runs merged, payload order kept."""
+    out: list[tuple[int, int]] = []
+    for r in runs:
+        addr = base + r.start * block_bytes
+        length = r.count * block_bytes
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((addr, length))
+    return out
+
+
+def _segment(
+    local: list[tuple[int, int]], remote: list[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Split both lists at the union of their boundaries so that pair ``i`` has equal lengths.
+
+    Both lists must cover the same number of bytes (checked by the caller).
+    """
+    out_l: list[tuple[int, int]] = []
+    out_r: list[tuple[int, int]] = []
+    i = j = 0
+    la, ll = local[0]
+    ra, rl = remote[0]
+    while True:
+        n = min(ll, rl)
+        out_l.append((la, n))
+        out_r.append((ra, n))
+        la, ll, ra, rl = la + n, ll - n, ra + n, rl - n
+        if ll == 0:
+            i += 1
+            if i == len(local):
+                break
+            la, ll = local[i]
+        if rl == 0:
+            j += 1
+            ra, rl = remote[j]
+    return out_l, out_r
+
+
+def _ucx_plugin_present() -> bool | None:
+    """Whether a NIXL UCX plugin file is found next to the installed wheels (None: can't tell)."""
+    dirs = [os.environ["NIXL_PLUGIN_DIR"]] if os.environ.get("NIXL_PLUGIN_DIR") else []
+    for mod in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+        spec = importlib.util.find_spec(mod)
+        if spec is not None and spec.submodule_search_locations:
+            pkg = Path(next(iter(spec.submodule_search_locations)))
+            dirs.append(str(pkg.parent / f"{mod}.libs" / "nixl"))
+    if not dirs:
+        return None  # e.g. a source build with plugins elsewhere
+    return any(Path(d, "libplugin_UCX.so").exists() for d in dirs)
+
+
+class NixlPlane(DataTransport):
+    """READ plane over NIXL (UCX backend) for one node and one region.
+
+    Args:
+        node_id: this node's id; the agent name is ``f"{node_id}-{uuid4().hex[:8]}"``.
+        region: the node's region (``addr``, ``nbytes``, ``block_bytes``, ``mem_kind``; an optional
+            ``device_id`` for VRAM), registered whole, once, for the plane's lifetime.
+        num_threads: UCX backend worker threads (0 = NIXL default).
+        prog_thread: run NIXL's progress thread (default True).
+
+    Thread safety: every NIXL call is made under one lock; a node may call from several threads.
+
+    Raises:
+        PlaneUnavailable: nixl is not installed, or its UCX backend cannot start.
+        ConfigError: unknown option, or a region memory kind the plane cannot move.
+        DataPlaneError: registering the region failed.
+    """
+
+    name = "nixl"
+    capabilities = _LazyCapabilities()  # type: ignore[assignment]
+
+    def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise ConfigError(
+                f"unknown nixl plane option(s) {sorted(unknown)}; "
+                f"expected some of {sorted(_OPTIONS)}"
+            )
+        mem_kind = getattr(region, "mem_kind", "DRAM")
+        if mem_kind not in _MEM_KINDS:
+            raise ConfigError(f"nixl plane moves {_MEM_KINDS} memory, region is {mem_kind!r}")
+        nixl_agent, nixl_agent_config = _import_nixl()
+
+        self.node_id = node_id
+        self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
+        self._region = region
+        self._base = int(region.addr)
+        self._block_bytes = int(region.block_bytes)
+        self._num_blocks = int(region.nbytes) // self._block_bytes
+        self._mem_kind = mem_kind
+        self._dev_id = int(getattr(region, "device_id", 0) or 0)
+        self._lock = threading.Lock()
+        self._handles: set[_Read] = set()
+        self._stuck: list[Any] = []  # xfer handles NIXL refused to release (still in flight)
+        self._peers: dict[str, bytes] = {}  # remote agent name -> metadata it was loaded with
+        self._closed = False
+
+        config = nixl_agent_config(
+            enable_prog_thread=bool(options.get("prog_thread", True)),
+            num_threads=int(options.get("num_threads", 0)),
+            backends=["UCX"],
+        )
+        try:
+            self._agent = nixl_agent(self.agent_name, config)
+        except Exception as exc:
+            raise PlaneUnavailable(f"cannot start a NIXL agent: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise PlaneUnavailable(
+                f"NIXL has no UCX backend here (plugins: {self._agent.get_plugin_list()}); "
+                f"reinstall nixl: {_INSTALL_HINT}"
+            )
+        try:
+            self._reg = self._agent.register_memory(
+                [(self._base, int(region.nbytes), self._dev_id, "")], mem_kind
+            )
+        except Exception as exc:
+            raise DataPlaneError(
+                f"NIXL could not register the {mem_kind} region "
+                f"({region.nbytes} bytes at 0x{self._base:x}): {exc}"
+            ) from exc
+        self._meta: bytes = self._agent.get_agent_metadata()
+
+    # -- discovery --------------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        """``(True, "nixl <version>, UCX backend")`` or ``(False, reason)``; never imports nixl."""
+        if importlib.util.find_spec("nixl") is None:
+            return False, f"nixl is not installed; {_INSTALL_HINT}"
+        try:
+            version = importlib.metadata.version("nixl")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(unknown version)"
+        if _ucx_plugin_present() is False:
+            return False, f"nixl {version} is installed but has no UCX plugin; {_INSTALL_HINT}"
+        return True, f"nixl {version}, UCX backend"
+
+    def describe_transport(self) -> str:
+        """``"nixl/UCX"`` plus the UCX transports requested through ``UCX_TLS`` (else ``auto``)."""
+        tls = os.environ.get("UCX_TLS")
+        if not tls:
+            with self._lock:
+                params = {} if self._closed else self._agent.get_backend_params("UCX")
+            tls = params.get("ucx_tls") or params.get("UCX_TLS") or "auto"
+        return f"nixl/UCX (tls={tls}, {self._mem_kind})"
+
+    # -- producer side ----------------------------------------------------------------------------
+    def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
+        """Msgpack :class:`NixlGrant` exposing exactly ``runs`` (adjacent runs merged).
+
+        Args:
+            runs: the granted blocks of this plane's region, in payload order.
+            nbytes: payload bytes (≤ the runs' bytes); the grant covers whole blocks.
+
+        Raises:
+            DataPlaneError: the plane is closed, ``runs`` is empty or leaves the region, or
+                ``nbytes`` exceeds the runs.
+        """
+        if self._closed:
+            raise DataPlaneError("nixl plane is closed")
+        self._check_runs(runs, nbytes)
+        descs = _merge(runs, self._base, self._block_bytes)
+        grant = NixlGrant(self.agent_name, self._meta, self._mem_kind, self._dev_id, descs)
+        return _grant_encoder.encode(grant)
+
+    def poll_notifications(self) -> list[bytes]:
+        """Notification messages received since the last call, from every remote agent."""
+        with self._lock:
+            if self._closed:
+                return []
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception as exc:  # noqa: BLE001 - see _quietly
+                _log.debug("nixl plane: get_new_notifs failed: %s", exc)
+                return []
+        return [msg for msgs in notifs.values() for msg in msgs]
+
+    # -- consumer side ----------------------------------------------------------------------------
+    def start(
+        self,
+        prepared: Any,
+        plane_grant: bytes,
+        runs: Sequence[Run],
+        nbytes: int,
+        notif: bytes,
+    ) -> _Read:
+        """Post a READ of the granted remote blocks into local ``runs``.
+
+        The remote and local descriptors are split at the union of both sides' run boundaries, so
+        the runs may be scattered differently on each side; the total lengths must be equal.
+
+        Returns:
+            a handle for :meth:`check` / :meth:`release`.
+
+        Raises:
+            DataPlaneError: the grant is not a valid NixlGrant, its length differs from the local
+                runs' (``count × block_bytes`` summed), its metadata cannot be loaded, or NIXL
+                refuses to post the READ (e.g. descriptors outside the producer's registration).
+        """
+        try:
+            grant = _grant_decoder.decode(plane_grant)
+        except (msgspec.DecodeError, TypeError) as exc:
+            raise DataPlaneError(f"malformed nixl grant ({len(plane_grant)} bytes): {exc}") from exc
+        if not grant.descs:
+            raise DataPlaneError("nixl grant describes no blocks")
+        if grant.mem_kind not in _MEM_KINDS:
+            raise DataPlaneError(
+                f"nixl grant memory kind {grant.mem_kind!r} is not one of {_MEM_KINDS}"
+            )
+        self._check_runs(runs, nbytes)
+        local = _merge(runs, self._base, self._block_bytes)
+        local_bytes = sum(n for _, n in local)
+        remote_bytes = sum(n for _, n in grant.descs)
+        if remote_bytes != local_bytes:
+            raise DataPlaneError(
+                f"nixl grant of agent {grant.agent!r} covers {remote_bytes} bytes, the local runs "
+                f"{local_bytes} bytes; both sides must use the same block_bytes and block count"
+            )
+        seg_local, seg_remote = _segment(local, grant.descs)
+        dev = self._dev_id
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("nixl plane is closed")
+            self._load_peer(grant.agent, grant.meta)
+            try:
+                ldl = self._agent.get_xfer_descs(
+                    [(a, n, dev) for a, n in seg_local], self._mem_kind
+                )
+                rdl = self._agent.get_xfer_descs(
+                    [(a, n, grant.dev_id) for a, n in seg_remote], grant.mem_kind
+                )
+                xfer = self._agent.initialize_xfer("READ", ldl, rdl, grant.agent, notif)
+            except Exception as exc:
+                raise DataPlaneError(
+                    f"NIXL refused a READ of {local_bytes} bytes from {grant.agent!r}: {exc}"
+                ) from exc
+            handle = _Read(xfer, grant.agent, local_bytes)
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as exc:
+                self._release_locked(handle)
+                raise DataPlaneError(
+                    f"NIXL could not post a READ of {local_bytes} bytes from {grant.agent!r}: {exc}"
+                ) from exc
+            if state == "ERR":
+                self._release_locked(handle)
+                raise DataPlaneError(f"NIXL failed to post a READ from {grant.agent!r}")
+            if state == "DONE":
+                handle.state = XferState.DONE
+            self._handles.add(handle)
+        return handle
+
+    def check(self, handle: _Read) -> XferState:
+        """PROC, DONE or ERR; a released handle reports its last state (ERR if it was in flight)."""
+        if handle.state is not XferState.PROC:
+            return handle.state
+        with self._lock:
+            if handle.xfer is None or self._closed:
+                handle.state = XferState.ERR
+                return handle.state
+            try:
+                state = self._agent.check_xfer_state(handle.xfer)
+            except Exception as exc:  # noqa: BLE001 - see _quietly
+                _log.debug("nixl plane: check_xfer_state failed: %s", exc)
+                state = "ERR"
+        if state == "DONE":
+            handle.state = XferState.DONE
+        elif state != "PROC":
+            handle.state = XferState.ERR
+        return handle.state
+
+    def release(self, handle: _Read) -> None:
+        """Release (and cancel, if still in flight) a READ; idempotent, never raises.
+
+        A handle NIXL cannot cancel yet is kept and released again by later calls and by
+        :meth:`close`, so its memory is never freed under a landing DMA by this plane.
+        """
+        with self._lock:
+            self._release_locked(handle)
+
+    def forget_peer(self, peer: str) -> None:
+        """Forget remote agent ``peer`` (e.g. a producer that restarted); unknown names: no-op."""
+        with self._lock:
+            if self._closed or self._peers.pop(peer, None) is None:
+                return
+            _quietly(f"remove_remote_agent({peer})", self._agent.remove_remote_agent, peer)
+
+    def close(self) -> None:
+        """Release every handle, forget every peer, deregister the region; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for h in list(self._handles):
+                self._release_locked(h)
+            self._retry_stuck()
+            for peer in list(self._peers):
+                _quietly(f"remove_remote_agent({peer})", self._agent.remove_remote_agent, peer)
+            self._peers.clear()
+            _quietly("deregister_memory", self._agent.deregister_memory, self._reg)
+            self._closed = True
+            self._agent = None  # stuck xfer handles keep the native agent alive on their own
+
+    # -- internals --------------------------------------------------------------------------------
+    def _check_runs(self, runs: Sequence[Run], nbytes: int) -> None:
+        if not runs:
+            raise DataPlaneError("no blocks given (runs is empty)")
+        total = 0
+        for r in runs:
+            if r.count <= 0 or r.start < 0 or r.start + r.count > self._num_blocks:
+                raise DataPlaneError(
+                    f"run {r} is outside the region's {self._num_blocks} blocks"
+                )
+            total += r.count
+        if nbytes < 0 or nbytes > total * self._block_bytes:
+            raise DataPlaneError(
+                f"nbytes {nbytes} does not fit {total} blocks of {self._block_bytes} bytes"
+            )
+
+    def _load_peer(self, agent: str, meta: bytes) -> None:
+        """Load a remote agent's metadata once; reload it if the same name brings new metadata."""
+        known = self._peers.get(agent)
+        if known == meta:
+            return
+        if known is not None:
+            del self._peers[agent]
+            _quietly(f"remove_remote_agent({agent})", self._agent.remove_remote_agent, agent)
+        try:
+            loaded = self._agent.add_remote_agent(meta)
+        except Exception as exc:
+            raise DataPlaneError(f"cannot load NIXL metadata of agent {agent!r}: {exc}") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != agent:
+            if loaded not in self._peers:
+                _quietly(f"remove_remote_agent({loaded})", self._agent.remove_remote_agent, loaded)
+            raise DataPlaneError(f"nixl grant names agent {agent!r} but its metadata is {loaded!r}")
+        self._peers[agent] = meta
+
+    def _release_locked(self, handle: _Read) -> None:
+        xfer, handle.xfer = handle.xfer, None
+        self._handles.discard(handle)
+        if handle.state is XferState.PROC:
+            handle.state = XferState.ERR
+        if xfer is not None and not _quietly("release of a READ", xfer.release):
+            self._stuck.append(xfer)
+        if self._stuck:
+            self._retry_stuck()
+
+    def _retry_stuck(self) -> None:
+        self._stuck = [x for x in self._stuck if not _quietly("release of a stuck READ", x.release)]
