@@ -30,6 +30,7 @@ from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError
 from ectransport.node.common import Layout, Security
+from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import (
     ConsumerConfig,
     ConsumerSession,
@@ -108,6 +109,7 @@ class ConsumerNode:
         planes: data planes this node can use, best first.
         ack_timeout_s / read_timeout_s / quarantine_s: see :class:`ConsumerConfig`.
         fetch_timeout_s: default overall deadline of one fetch.
+        versions: ECTP versions spoken (override only to emulate older/newer nodes).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class ConsumerNode:
         quarantine_s: float = 60.0,
         fetch_timeout_s: float = 30.0,
         node_id: str | None = None,
+        versions: tuple[int, ...] = SUPPORTED_VERSIONS,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
 
@@ -135,7 +138,8 @@ class ConsumerNode:
         self.fetch_timeout_s = fetch_timeout_s
         self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
                                      planes=tuple(planes), ack_timeout_s=ack_timeout_s,
-                                     read_timeout_s=read_timeout_s, quarantine_s=quarantine_s)
+                                     read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
+                                     versions=tuple(versions))
         self._planes: dict[str, DataTransport] = {}
         self._control = None
         try:

@@ -21,6 +21,7 @@ from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes
+from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import ProducerConfig, ProducerSession, Push, Send
 from ectransport.store import AllocFailed, BlockStore, HostRegion
 
@@ -38,6 +39,7 @@ class ProducerNode:
         planes: data planes offered, best first.
         lease_s / budget_bytes: see :class:`ProducerConfig`.
         node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
+        versions: ECTP versions spoken (override only to emulate older/newer nodes).
 
     Raises:
         ConfigError: bad settings, port in use, missing keys.
@@ -56,6 +58,7 @@ class ProducerNode:
         lease_s: float = 30.0,
         budget_bytes: int | None = None,
         node_id: str | None = None,
+        versions: tuple[int, ...] = SUPPORTED_VERSIONS,
     ):
         from ectransport.control.zmqctl import ZmqControlServer
 
@@ -86,7 +89,8 @@ class ProducerNode:
         push = frozenset(n for n, p in self._planes.items() if p.capabilities.transfer_model.value == "push")
         self.session = ProducerSession(
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
-                           push_planes=push, lease_s=lease_s, budget_bytes=budget_bytes),
+                           push_planes=push, lease_s=lease_s, budget_bytes=budget_bytes,
+                           versions=tuple(versions)),
             self.store, {n: p.describe for n, p in self._planes.items()})
         self._lock = threading.Lock()
         self._stop = threading.Event()
