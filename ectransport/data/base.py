@@ -103,6 +103,11 @@ class DataTransport(ABC):
         Pure computation on cached state; called on the producer's hot path.
         """
 
+    def revoke(self, plane_grant: bytes) -> None:
+        """The grant ended (unpinned): stop serving it. Planes whose consumers read the region
+        directly (NIXL) cannot revoke and inherit this no-op; planes that serve requests (TCP, UCX)
+        must refuse a revoked grant from now on."""
+
     def poll_notifications(self) -> list[bytes]:
         """Completion notifications received since the last call (producer side)."""
         return []

@@ -22,7 +22,7 @@ from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes
 from ectransport.protocol import SUPPORTED_VERSIONS
-from ectransport.session import ProducerConfig, ProducerSession, Push, Send
+from ectransport.session import ProducerConfig, ProducerSession, Push, Revoke, Send
 from ectransport.store import AllocFailed, BlockStore, HostRegion
 
 log = logging.getLogger("ectransport.node.producer")
@@ -161,7 +161,7 @@ class ProducerNode:
             self._thread.join(timeout=5.0)
             self._thread = None
         with self._lock:
-            self.session.close()
+            self.session.close()  # planes close next: nothing left to revoke on them
         self._close_resources()
 
     def __enter__(self) -> ProducerNode:
@@ -195,6 +195,10 @@ class ProducerNode:
                 for c in cmds:
                     if isinstance(c, Send):
                         control.send(c.peer, c.data)
+                    elif isinstance(c, Revoke):
+                        plane = self._planes.get(c.plane)
+                        if plane is not None:
+                            plane.revoke(c.plane_grant)
                     elif isinstance(c, Push):
                         plane = self._planes[self.session._peers[c.peer].plane]
                         self._push_handles.append(plane.push(c.dest, c.runs, c.nbytes, c.notif))

@@ -16,6 +16,6 @@ from ectransport.session.producer import ProducerConfig, ProducerSession, notif_
 
 __all__ = [
     "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
-    "PostRead", "ProducerConfig", "ProducerSession", "Push", "Release", "Report", "Send",
+    "PostRead", "ProducerConfig", "ProducerSession", "Push", "Release", "Report", "Revoke", "Send",
     "notif_for", "parse_notif",
 ]

@@ -32,6 +32,15 @@ class Push:
 
 
 @dataclass(frozen=True)
+class Revoke:
+    """Producer: a grant ended (completed, expired, peer down): the ``plane`` must stop serving
+    ``plane_grant`` before its blocks can be re-allocated (planes that cannot revoke ignore it)."""
+
+    plane: str
+    plane_grant: bytes
+
+
+@dataclass(frozen=True)
 class PostRead:
     """Consumer: start the data-plane transfer of ``key`` (READ: post it; PUSH: adopt it)."""
 
@@ -95,4 +104,4 @@ class Report:
     outcome: Landed | Miss
 
 
-Command = Send | Push | PostRead | Release | Report
+Command = Send | Push | Revoke | PostRead | Release | Report

@@ -41,7 +41,7 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.protocol.codec import peek_ids
-from ectransport.session.commands import Command, Push, Send
+from ectransport.session.commands import Command, Push, Revoke, Send
 from ectransport.store import BlockStore, Run
 
 log = logging.getLogger("ectransport.session.producer")
@@ -96,6 +96,8 @@ class _Grant:
     pinned_bytes: int
     deadline: float
     ack: bytes
+    plane: str
+    plane_grant: bytes
 
 
 class ProducerSession:
@@ -165,8 +167,7 @@ class ProducerSession:
             case XferDone():
                 if state is None or msg.session_id != state.session_id:
                     return [self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")]
-                self._release((msg.session_id, msg.mm_hash, msg.grant_id), "completed")
-                return []
+                return self._release((msg.session_id, msg.mm_hash, msg.grant_id), "completed")
             case Renew():
                 if state is None or msg.session_id != state.session_id:
                     return [self._nack(peer, Status.NACK_BAD_REQUEST, "Renew for a foreign session")]
@@ -182,9 +183,7 @@ class ProducerSession:
     def on_notification(self, notif: bytes, now: float) -> list[Command]:
         """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
         key = parse_notif(notif)
-        if key is not None:
-            self._release(key, "completed")
-        return []
+        return self._release(key, "completed") if key is not None else []
 
     def on_peer_down(self, peer: Any, now: float) -> list[Command]:
         """The consumer went away: release its grants at once instead of waiting for leases."""
@@ -192,21 +191,25 @@ class ProducerSession:
         if state is None:
             return []
         self._sessions.pop(state.session_id, None)
+        cmds: list[Command] = []
         for key in list(state.grants):
-            self._release(key, "released_peer_down")
-        return []
+            cmds += self._release(key, "released_peer_down")
+        return cmds
 
     def poll(self, now: float) -> list[Command]:
         """Sweep every lease; unpin expired grants exactly once."""
+        cmds: list[Command] = []
         for key in [k for k, g in self._grants.items() if g.deadline <= now]:
             log.warning("lease expired: session=%s mm_hash=%s grant=%d", key[0][:8], key[1][:12], key[2])
-            self._release(key, "expired")
-        return []
+            cmds += self._release(key, "expired")
+        return cmds
 
-    def close(self) -> None:
+    def close(self) -> list[Command]:
         """Release every grant (shutdown)."""
+        cmds: list[Command] = []
         for key in list(self._grants):
-            self._release(key, "released_peer_down")
+            cmds += self._release(key, "released_peer_down")
+        return cmds
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_hello(self, peer: Any, msg: Hello, user: str) -> list[Command]:
@@ -225,11 +228,10 @@ class ProducerSession:
             return [welcome(Status.NACK_BAD_REQUEST,
                             detail="session id must be 1-128 characters of [A-Za-z0-9_-]")]
         owner = self._sessions.get(msg.session_id)
-        if owner is not None and owner != peer:
-            # a reconnect (new route) may take its session over only with the same identity
-            if self._peers[owner].identity != (user or msg.session_id):
-                return [welcome(Status.NACK_BAD_REQUEST, detail="session id bound to another peer")]
-            self.on_peer_down(owner, 0.0)
+        # a reconnect (new route) may take its session over only with the same identity
+        if owner is not None and owner != peer and \
+                self._peers[owner].identity != (user or msg.session_id):
+            return [welcome(Status.NACK_BAD_REQUEST, detail="session id bound to another peer")]
         if msg.compat_hash != cfg.compat_hash:
             return [welcome(Status.NACK_INCOMPAT, detail=(
                 f"compatibility hash mismatch: producer {cfg.compat_hash[:12]}, "
@@ -244,15 +246,18 @@ class ProducerSession:
             return [welcome(Status.NACK_INCOMPAT, detail=(
                 f"no common data plane: producer offers {list(cfg.planes)}, "
                 f"consumer offers {list(msg.planes)}"))]
+        cmds: list[Command] = []
+        if owner is not None and owner != peer:
+            cmds += self.on_peer_down(owner, 0.0)  # reconnect: the old route's grants end
         old = self._peers.get(peer)
         if old is not None and old.session_id != msg.session_id:
-            self.on_peer_down(peer, 0.0)  # a new session on the same connection supersedes the old
+            cmds += self.on_peer_down(peer, 0.0)  # a new session on this connection supersedes
         state = self._peers.get(peer)
         if state is None:
             state = _Peer(peer, msg.session_id, max(common), plane, user or msg.session_id)
             self._peers[peer] = state
             self._sessions[msg.session_id] = peer
-        return [welcome(Status.OK, state.version, state.plane)]
+        return [*cmds, welcome(Status.OK, state.version, state.plane)]
 
     def _on_req(self, peer: Any, state: _Peer | None, msg: XferReq, now: float) -> list[Command]:
         cfg = self.config
@@ -302,7 +307,8 @@ class ProducerSession:
         ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
                              status=Status.OK, grant=grant, detail=""))
         self._grants[key] = _Grant(key, peer, state.identity, entry.entry_id, entry.runs,
-                                   entry.nbytes, pinned_bytes, now + cfg.lease_s, ack)
+                                   entry.nbytes, pinned_bytes, now + cfg.lease_s, ack,
+                                   state.plane, plane_grant)
         self._live[key[:2]] = gid
         state.grants.add(key)
         self._pinned_by[state.identity] = used + pinned_bytes
@@ -313,11 +319,12 @@ class ProducerSession:
         return cmds
 
     # -- helpers -------------------------------------------------------------------------------
-    def _release(self, key: tuple[str, str, int], why: str) -> bool:
+    def _release(self, key: tuple[str, str, int], why: str) -> list[Command]:
+        """End a grant exactly once: revoke it on its plane, then unpin. Unknown keys are no-ops."""
         g = self._grants.pop(key, None)
         if g is None:
             self.stats["late_signals"] += 1
-            return False
+            return []
         self._live.pop(key[:2], None)
         st = self._peers.get(g.peer)
         if st is not None:
@@ -329,7 +336,7 @@ class ProducerSession:
             self._pinned_by.pop(g.identity, None)
         self.store.unpin(key[1], g.entry_id)
         self.stats[why] += 1
-        return True
+        return [Revoke(g.plane, g.plane_grant)]
 
     def _version_for(self, peer: Any) -> int:
         state = self._peers.get(peer)
