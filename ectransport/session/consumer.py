@@ -3,18 +3,26 @@
 One ConsumerSession per producer connection (``conn``); many fetches in flight. Per fetch::
 
     QUEUED ──(Welcome OK)──► WAITING_ACK ──(ack OK, local blocks allocated)──► READING ──► DONE
-       │                         │ NACK / ack deadline                           │ ERR
-       ▼                         ▼                                               ▼
-      Miss                      Miss                                            Miss
-                                             read deadline with the DMA still in flight:
-                                             QUARANTINED (local blocks kept) ──► settled
-                                             when the plane reports it over, or at the
-                                             quarantine deadline (handle released once)
+       │                      │   ▲   │ NACK_NOT_READY / NACK_BUSY                   │ ERR
+       │                      │   └── BACKOFF (retry with backoff until the deadline) │
+       ▼                      ▼ other NACK / ack deadline                             ▼
+      Miss                   Miss                                                    Miss
+                                  read deadline with the DMA still in flight:
+                                  QUARANTINED (local blocks kept) ──► settled when the plane
+                                  reports it over, or at the quarantine deadline (handle
+                                  released exactly once)
 
-Every fetch ends in exactly one :class:`Report` by its deadline. Local blocks are allocated from
-the consumer's :class:`BlockStore` once the ack tells the size, under the key ``<mm_hash>#<n>``
-(so several landed copies of one mm_hash may coexist); they become READY on DONE and belong to
-the caller from then on.
+While READING, leases are renewed with ``Renew`` every ``lease/6``, extending by ``2/3·lease``
+(vLLM's NIXL KV lease scheme). Every fetch ends in exactly one :class:`Report` by its deadline.
+
+**Peer quarantine.** A producer that timed out (ack or read), answered NACK_INTERNAL or went away
+is quarantined for a backoff that doubles from ``peer_backoff_s`` up to ``peer_backoff_max_s``;
+meanwhile :meth:`fetch` fails fast with ``Miss(QUARANTINED)``. The first fetch after the backoff
+re-sends ``Hello`` as a probe; a ``Welcome`` lifts the quarantine and resets the backoff.
+
+Local blocks are allocated from the consumer's :class:`BlockStore` once the ack tells the size,
+under the key ``<mm_hash>#<n>`` (a landing zone, not a cache: several landed copies of one
+mm_hash may coexist); they become READY on DONE and belong to the caller from then on.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ectransport.protocol import (
     FrameError,
     Hello,
     Nack,
+    Renew,
     Status,
     Welcome,
     XferAck,
@@ -58,6 +67,7 @@ log = logging.getLogger("ectransport.session.consumer")
 class FetchState(enum.Enum):
     QUEUED = "queued"  #: waiting for the connection to be welcomed
     WAITING_ACK = "waiting_ack"
+    BACKOFF = "backoff"  #: a retryable NACK; XferReq is sent again at ``retry_at``
     READING = "reading"
     QUARANTINED = "quarantined"
 
@@ -86,6 +96,9 @@ class ConsumerConfig:
         read_timeout_s: data-plane transfer deadline after the ack [20 s].
         quarantine_s: how long a timed-out transfer keeps its local blocks [60 s].
         hello_timeout_s: connection + Hello → Welcome deadline [5 s].
+        retry_backoff_s / retry_backoff_max_s: first and largest wait before re-sending an
+            XferReq answered NACK_NOT_READY or NACK_BUSY [0.02 s → 0.5 s, doubling].
+        peer_backoff_s / peer_backoff_max_s: peer quarantine after a failure [1 s → 60 s].
     """
 
     node_id: str
@@ -96,6 +109,10 @@ class ConsumerConfig:
     read_timeout_s: float = 20.0
     quarantine_s: float = 60.0
     hello_timeout_s: float = 5.0
+    retry_backoff_s: float = 0.02
+    retry_backoff_max_s: float = 0.5
+    peer_backoff_s: float = 1.0
+    peer_backoff_max_s: float = 60.0
 
 
 @dataclass
@@ -104,12 +121,15 @@ class Fetch:
 
     mm_hash: str
     state: FetchState
-    deadline: float  # of the current state
+    deadline: float  # of the current state (ack, read, retry, quarantine)
     final_deadline: float  # the caller's overall deadline
     started: float
     grant_id: int = -1
+    lease_s: float = 0.0
     entry: Entry | None = None  # local landing blocks, keyed "<mm_hash>#<n>" in the store
     handle: Any = None
+    retry_s: float = 0.0
+    last_nack: Status | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -134,10 +154,15 @@ class ConsumerSession:
         self.plane: str | None = None
         self.producer_id = ""
         self.failed: Miss | None = None  # terminal session failure (auth, version, incompat)
+        self.blocked_until = 0.0  # peer quarantine
+        self.blocked_reason = ""
+        self._backoff = config.peer_backoff_s
+        self._connected = False
         self._hello_deadline = now + config.hello_timeout_s
+        self._next_renew = float("inf")
         self._fetches: dict[str, Fetch] = {}
         self._quarantine: dict[str, Fetch] = {}
-        self._seq = 0  # local landing entries are keyed "<mm_hash>#<seq>": a landing zone, not a cache
+        self._seq = 0
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -147,6 +172,10 @@ class ConsumerSession:
     def in_flight(self) -> int:
         return len(self._fetches) + len(self._quarantine)
 
+    def fetch_states(self) -> dict[str, FetchState]:
+        return {**{k: f.state for k, f in self._fetches.items()},
+                **{k: f.state for k, f in self._quarantine.items()}}
+
     def reading(self) -> list[tuple[str, Any]]:
         """(mm_hash, handle) of every transfer whose data-plane state the node must poll."""
         return [(f.mm_hash, f.handle) for f in (*self._fetches.values(), *self._quarantine.values())
@@ -154,44 +183,53 @@ class ConsumerSession:
 
     def next_deadline(self) -> float | None:
         ds = [f.deadline for f in (*self._fetches.values(), *self._quarantine.values())]
-        if not self.welcomed and self.failed is None:
+        if self._fetches and not self.welcomed and self.failed is None:
             ds.append(self._hello_deadline)
+        if any(f.state is FetchState.READING for f in self._fetches.values()):
+            ds.append(self._next_renew)
         return min(ds) if ds else None
 
     # -- events --------------------------------------------------------------------------------
     def on_up(self, now: float) -> list[Command]:
         """The control connection is up and authenticated: say Hello."""
-        hello = Hello(v=max(self.config.versions), session_id=self.session_id,
-                      node_id=self.config.node_id, versions=list(self.config.versions),
-                      planes=list(self.config.planes), compat_hash=self.config.compat_hash,
-                      mem_kinds=["DRAM"])
-        return [Send(self.conn, encode(hello))]
+        self._connected = True
+        return self._hello(now)
 
     def fetch(self, mm_hash: str, now: float, deadline: float) -> list[Command]:
         """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest."""
         if self.failed is not None:
             return [Report(Miss(mm_hash, self.failed.reason, self.failed.detail))]
+        if now < self.blocked_until:
+            return [Report(Miss(mm_hash, MissReason.QUARANTINED,
+                                f"producer quarantined for {self.blocked_until - now:.1f} s more "
+                                f"after: {self.blocked_reason}"))]
         if mm_hash in self._fetches or mm_hash in self._quarantine:
             return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
-        f = Fetch(mm_hash, FetchState.QUEUED, min(deadline, self._hello_deadline), deadline, now)
+        cmds: list[Command] = []
+        if self.blocked_until and not self.welcomed and self._connected:
+            cmds += self._hello(now)  # probe a producer whose quarantine just ended
+        f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now)
         self._fetches[mm_hash] = f
         if self.welcomed:
-            return self._send_req(f, now)
-        return []
+            cmds += self._send_req(f, now)
+        return cmds
 
     def on_auth_failed(self, reason: str, now: float) -> list[Command]:
         return self._fail_session(Miss("", MissReason.AUTH, reason))
 
     def on_peer_down(self, now: float) -> list[Command]:
-        """The producer went away: waiting fetches miss; reading ones go to quarantine."""
+        """The producer went away: waiting fetches miss (retryable), reading ones are quarantined,
+        and the producer is quarantined."""
         cmds: list[Command] = []
         for f in list(self._fetches.values()):
             if f.state is FetchState.READING:
                 cmds += self._quarantine_fetch(f, now, MissReason.PEER_DOWN, "producer went away mid-read")
             else:
                 del self._fetches[f.mm_hash]
-                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, "producer went away")))
+                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, "producer went away (retryable)")))
         self.version = None
+        self._connected = False
+        self._penalize(now, "producer went away")
         return cmds
 
     def on_frame(self, data: bytes, now: float) -> list[Command]:
@@ -231,9 +269,7 @@ class ConsumerSession:
         """Data-plane state of a transfer: ``"proc"``, ``"done"`` or ``"err"``."""
         q = self._quarantine.get(mm_hash)
         if q is not None:
-            if state == "proc":
-                return []
-            return self._settle(q)
+            return [] if state == "proc" else self._settle(q)
         f = self._fetches.get(mm_hash)
         if f is None or f.state is not FetchState.READING or state == "proc":
             return []
@@ -241,25 +277,29 @@ class ConsumerSession:
             assert f.entry is not None
             self.store.mark_ready(f.entry.mm_hash)
             f.timings["landed"] = now
+            self._backoff = self.config.peer_backoff_s
             return self._finish(f, Landed(f.mm_hash, f.entry, self.plane or "",
                                           {k: v - f.started for k, v in f.timings.items()}), ok=True)
         return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, "data-plane transfer failed"), ok=False)
 
     def poll(self, now: float) -> list[Command]:
-        """Apply deadlines: hello, ack, read (→ quarantine) and quarantine (→ settle)."""
+        """Apply deadlines (hello, ack, read → quarantine, quarantine → settle), retries, renewals."""
         cmds: list[Command] = []
-        if not self.welcomed and self.failed is None and now >= self._hello_deadline and self._fetches:
-            return self._fail_session(Miss("", MissReason.TIMEOUT, "no Welcome from producer in time"),
-                                      terminal=False)
-        for f in list(self._fetches.values()):
-            if now < f.deadline:
-                continue
-            if f.state is FetchState.READING:
-                cmds += self._quarantine_fetch(f, now, MissReason.TIMEOUT, "read deadline passed")
-            else:
+        if self._fetches and not self.welcomed and self.failed is None and now >= self._hello_deadline:
+            self._penalize(now, "no Welcome in time")
+            for f in [f for f in self._fetches.values() if f.state is FetchState.QUEUED]:
                 del self._fetches[f.mm_hash]
-                what = "ack" if f.state is FetchState.WAITING_ACK else "connection"
-                cmds.append(Report(Miss(f.mm_hash, MissReason.TIMEOUT, f"no {what} before the deadline")))
+                cmds.append(Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no Welcome from the producer in time")))
+        for f in list(self._fetches.values()):
+            if now >= f.final_deadline or now >= f.deadline:
+                cmds += self._expire(f, now)
+        reading = [f for f in self._fetches.values() if f.state is FetchState.READING]
+        if reading and now >= self._next_renew and self.welcomed:
+            lease = min(f.lease_s for f in reading)
+            cmds.append(Send(self.conn, encode(Renew(
+                v=self.version or 0, session_id=self.session_id,
+                grant_ids=[f.grant_id for f in reading][:4096], extend_s=lease * 2 / 3))))
+            self._next_renew = now + lease / 6
         for q in list(self._quarantine.values()):
             if now >= q.deadline:
                 cmds += self._settle(q)
@@ -273,10 +313,42 @@ class ConsumerSession:
         return cmds
 
     # -- internals -----------------------------------------------------------------------------
+    def _hello(self, now: float) -> list[Command]:
+        self._hello_deadline = now + self.config.hello_timeout_s
+        hello = Hello(v=max(self.config.versions), session_id=self.session_id,
+                      node_id=self.config.node_id, versions=list(self.config.versions),
+                      planes=list(self.config.planes), compat_hash=self.config.compat_hash,
+                      mem_kinds=["DRAM"])
+        return [Send(self.conn, encode(hello))]
+
+    def _penalize(self, now: float, why: str) -> None:
+        self.blocked_until = now + self._backoff
+        self.blocked_reason = why
+        self._backoff = min(self._backoff * 2, self.config.peer_backoff_max_s)
+        self.version = None  # the next fetch after the backoff probes with Hello
+        log.warning("producer %s quarantined for %.1f s: %s", self.conn,
+                    self.blocked_until - now, why)
+
+    def _expire(self, f: Fetch, now: float) -> list[Command]:
+        final = now >= f.final_deadline
+        if f.state is FetchState.READING:
+            self._penalize(now, "read deadline passed")
+            return self._quarantine_fetch(f, now, MissReason.TIMEOUT, "read deadline passed")
+        if f.state is FetchState.BACKOFF and not final:
+            return self._send_req(f, now)
+        del self._fetches[f.mm_hash]
+        if f.state is FetchState.BACKOFF or (final and f.last_nack is not None):
+            reason = _NACK_REASON.get(f.last_nack, MissReason.INTERNAL)
+            return [Report(Miss(f.mm_hash, reason, f"still {f.last_nack.name} at the deadline"))]
+        if f.state is FetchState.WAITING_ACK:
+            self._penalize(now, "no ack before the deadline")
+            return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no ack before the deadline"))]
+        return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "not connected before the deadline"))]
+
     def _send_req(self, f: Fetch, now: float) -> list[Command]:
         f.state = FetchState.WAITING_ACK
         f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
-        f.timings["req"] = now
+        f.timings.setdefault("req", now)
         req = XferReq(v=self.version or 0, session_id=self.session_id, mm_hash=f.mm_hash,
                       compat_hash=self.config.compat_hash, dest=b"")
         return [Send(self.conn, encode(req))]
@@ -291,6 +363,8 @@ class ConsumerSession:
             return self._fail_session(Miss("", MissReason.VERSION,
                                            f"producer chose version {msg.version} / plane {msg.plane!r}"))
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
+        self.blocked_until, self.blocked_reason = 0.0, ""
+        self._backoff = self.config.peer_backoff_s
         cmds: list[Command] = []
         for f in list(self._fetches.values()):
             if f.state is FetchState.QUEUED:
@@ -307,22 +381,30 @@ class ConsumerSession:
                 return [self._done(msg.mm_hash, msg.grant.grant_id, ok=False)]
             return []
         f.timings["ack"] = now
+        if msg.status in RETRYABLE:
+            f.last_nack = msg.status
+            f.retry_s = min(max(f.retry_s * 2, self.config.retry_backoff_s),
+                            self.config.retry_backoff_max_s)
+            f.state = FetchState.BACKOFF
+            f.deadline = min(f.final_deadline, now + f.retry_s)
+            return []
         if msg.status is not Status.OK:
             del self._fetches[f.mm_hash]
+            if msg.status is Status.NACK_INTERNAL:
+                self._penalize(now, f"NACK_INTERNAL: {msg.detail}")
             reason = _NACK_REASON.get(msg.status, MissReason.INTERNAL)
             detail = f"{msg.status.name}: {msg.detail}" if msg.detail else msg.status.name
-            if msg.status in RETRYABLE:
-                detail += " (retryable)"
             return [Report(Miss(f.mm_hash, reason, detail))]
         g = msg.grant
         if g is None or g.block_bytes != self.store.block_bytes or g.plane != self.plane or \
                 g.num_blocks != self.store.blocks_for(g.entry_bytes):
             del self._fetches[f.mm_hash]
-            cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL, "grant does not match local layout"))]
+            cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL,
+                                               "grant does not match the local layout"))]
             if g is not None:
                 cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
             return cmds
-        f.grant_id = g.grant_id
+        f.grant_id, f.lease_s = g.grant_id, max(0.1, g.lease_s)
         self._seq += 1
         entry = self.store.alloc(f"{f.mm_hash}#{self._seq}", g.entry_bytes)
         if isinstance(entry, AllocFailed):
@@ -333,6 +415,8 @@ class ConsumerSession:
         f.entry = entry
         f.state = FetchState.READING
         f.deadline = min(f.final_deadline, now + self.config.read_timeout_s)
+        if not any(x.state is FetchState.READING and x is not f for x in self._fetches.values()):
+            self._next_renew = now + f.lease_s / 6
         notif = notif_for((self.session_id, f.mm_hash, g.grant_id))
         return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif)]
 
@@ -364,7 +448,7 @@ class ConsumerSession:
         f.state = FetchState.QUARANTINED
         f.deadline = now + self.config.quarantine_s
         self._quarantine[f.mm_hash] = f
-        if self.welcomed and f.grant_id >= 0:
+        if f.grant_id >= 0 and self._connected:
             cmds.append(self._done(f.mm_hash, f.grant_id, ok=False))
         return cmds
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from ectransport.protocol import Hello, Status, XferAck, XferDone, XferReq, compat_hash, encode
-from ectransport.session import Landed, Miss, MissReason, PostRead, Release, Report
+import pytest
+
+from ectransport.protocol import Renew
+from ectransport.session import FetchState, Landed, Miss, MissReason, PostRead, Release, Report
 
 from .helpers import BLOCK, make_consumer, make_producer, msgs, pump, put
 
@@ -52,8 +55,37 @@ def test_nacks_map_to_typed_misses():
     connected(p, c)
     (m,) = reports(pump(p, c, c.fetch("x", 0.0, 10.0), 0.0))
     assert m == Miss("x", MissReason.MISSING, m.detail) and "NACK_MISSING" in m.detail
-    (m,) = reports(pump(p, c, c.fetch("nr", 0.0, 10.0), 0.0))
-    assert m.reason is MissReason.MISSING and "retryable" in m.detail
+    assert reports(pump(p, c, c.fetch("nr", 0.0, 10.0), 0.0)) == []  # NOT_READY: retried
+    assert c.fetch_states() == {"nr": FetchState.BACKOFF}
+
+
+def test_not_ready_is_retried_with_backoff_until_it_lands():
+    p, pstore = make_producer()
+    put(pstore, "nr", 2, ready=False)
+    c = make_consumer(retry_backoff_s=0.02, retry_backoff_max_s=0.5)
+    connected(p, c)
+    pump(p, c, c.fetch("nr", 0.0, 10.0), 0.0)
+    assert pump(p, c, c.poll(0.01), 0.01) == []  # not yet due
+    assert pump(p, c, c.poll(0.02), 0.02) == []  # retried, NOT_READY again (backoff 0.04)
+    assert c.fetch_states() == {"nr": FetchState.BACKOFF}
+    pstore.mark_ready("nr")  # the save landed
+    out = pump(p, c, c.poll(0.06), 0.06)
+    assert [type(x) for x in out] == [PostRead]
+
+
+def test_retryable_nack_until_deadline_is_a_typed_miss():
+    p, pstore = make_producer(budget_bytes=BLOCK)
+    put(pstore, "big", 2)
+    c = make_consumer()
+    connected(p, c)
+    pump(p, c, c.fetch("big", 0.0, 1.0), 0.0)
+    t, got = 0.0, []
+    while not got and t < 2.0:
+        t += 0.01
+        got = reports(pump(p, c, c.poll(t), t))
+    (m,) = got
+    assert m.reason is MissReason.BUSY and "NACK_BUSY" in m.detail and t == pytest.approx(1.0, abs=0.02)
+    assert c.blocked_until == 0.0  # BUSY does not quarantine the producer
 
 
 def test_incompatible_producer_fails_whole_session():
@@ -206,3 +238,62 @@ def test_duplicate_fetch_refused_and_foreign_ack_ignored():
     assert c.on_frame(b"\xc1garbage", 0.1) == []
     _ = XferReq  # the request is still pending
     assert c.in_flight() == 1
+
+
+def test_leases_renewed_every_sixth_while_reading():
+    p, pstore = make_producer(lease_s=30.0)
+    put(pstore, "a", 1)
+    c = make_consumer(read_timeout_s=100.0)
+    connected(p, c)
+    pump(p, c, c.fetch("a", 0.0, 200.0), 0.0)
+    c.on_read_posted("a", "H", 0.0)
+    assert msgs(c.poll(4.9)) == []
+    (r,) = msgs(c.poll(5.0))
+    assert isinstance(r, Renew) and r.extend_s == pytest.approx(20.0) and len(r.grant_ids) == 1
+    p.on_frame("peer1", encode(r), 25.0)  # extends the producer's lease to 45 s
+    assert msgs(c.poll(9.9)) == []
+    assert isinstance(msgs(c.poll(10.0))[0], Renew)
+    p.poll(40.0)
+    assert pstore.get("a").pins == 1  # renewed: not expired at 30 s
+
+
+def test_peer_quarantine_fails_fast_then_probe_lifts_it():
+    p, pstore = make_producer()
+    put(pstore, "a", 1)
+    c = make_consumer(ack_timeout_s=1.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0)
+    connected(p, c)
+    c.fetch("a", 0.0, 10.0)  # the producer never answers
+    (m,) = reports(c.poll(1.0))
+    assert m.reason is MissReason.TIMEOUT
+    (m,) = reports(c.fetch("a", 1.5, 10.0))
+    assert m.reason is MissReason.QUARANTINED and "no ack" in m.detail
+    # after the backoff, the next fetch probes with Hello; the Welcome lifts the quarantine
+    out = c.fetch("a", 2.0, 10.0)
+    assert [type(x).__name__ for x in msgs(out)] == ["Hello"]
+    out = pump(p, c, out, 2.0)
+    out = pump(p, c, out, 2.0)
+    assert [type(x) for x in out] == [PostRead] and c.blocked_until == 0.0
+
+
+def test_peer_backoff_doubles_and_is_capped():
+    c = make_consumer(ack_timeout_s=1.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0)
+    ends = []
+    for t0 in (0.0, 10.0, 20.0, 30.0, 40.0):
+        c.version = 1  # pretend welcomed each time
+        c._connected = True
+        c.fetch("a", t0, t0 + 5.0)
+        c.poll(t0 + 1.0)
+        ends.append(round(c.blocked_until - (t0 + 1.0), 3))
+    assert ends == [1.0, 2.0, 4.0, 4.0, 4.0]
+
+
+def test_nack_internal_quarantines_producer():
+    p, pstore = make_producer()
+    c = make_consumer()
+    connected(p, c)
+    c.fetch("a", 0.0, 10.0)
+    bad = XferAck(v=1, session_id=c.session_id, mm_hash="a", status=Status.NACK_INTERNAL,
+                  grant=None, detail="boom")
+    (m,) = reports(c.on_frame(encode(bad), 0.1))
+    assert m.reason is MissReason.INTERNAL
+    assert reports(c.fetch("b", 0.2, 10.0))[0].reason is MissReason.QUARANTINED
