@@ -132,6 +132,7 @@ def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: node.reload_allow_list())
     try:
         node.start()
         described = []

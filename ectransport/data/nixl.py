@@ -476,6 +476,17 @@ class NixlPlane(DataTransport):
                 _quietly(f"remove_remote_agent({loaded})", self._agent.remove_remote_agent, loaded)
             raise DataPlaneError(f"nixl grant names agent {agent!r} but its metadata is {loaded!r}")
         self._peers[agent] = meta
+        self._drop_restarted(agent)
+
+    def _drop_restarted(self, agent: str) -> None:
+        """A new agent of the same node (``<node_id>-<8 hex>``) means that producer restarted:
+        forget its older agents (and never reuse them) once no READ handle refers to them."""
+        node = agent.rpartition("-")[0]
+        busy = {h.agent for h in self._handles if h.xfer is not None}
+        for old in [a for a in self._peers if a != agent and a.rpartition("-")[0] == node]:
+            if old not in busy:
+                del self._peers[old]
+                _quietly(f"remove_remote_agent({old})", self._agent.remove_remote_agent, old)
 
     def _release_locked(self, handle: _Read) -> None:
         xfer, handle.xfer = handle.xfer, None

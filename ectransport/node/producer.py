@@ -71,6 +71,7 @@ class ProducerNode:
         self.store = BlockStore(num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
         self._control = None
+        self._allow = None
         try:
             for name in planes:
                 self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region)
@@ -79,6 +80,7 @@ class ProducerNode:
                 from ectransport.control.keys import AllowList
 
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
+            self._allow = allow
             self._control = ZmqControlServer(
                 host, port, secret_key=security.secret_key, public_key=security.public_key,
                 allow=allow, insecure=security.insecure)
@@ -145,6 +147,12 @@ class ProducerNode:
         with self._lock:
             self.store.mark_ready(mm_hash)
         return True
+
+    def reload_allow_list(self) -> None:
+        """Re-read the allow-list directory now (``serve`` calls it on SIGHUP). New connections
+        see the change; the directory is also re-checked on its own every ~0.5 s."""
+        if self._allow is not None:
+            self._allow.reload()
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -210,6 +210,8 @@ def test_restarted_producer_is_a_new_agent_and_works(region_pair):
                                   [Run(0, 3)], 3 * BLOCK, seed=2)
             np.testing.assert_array_equal(got, sent)
             assert _wait_notifs(second) == [b"n2"]
+            # the restarted producer's old agent is dropped, never reused
+            assert set(consumer._peers) == {second.agent_name}
         finally:
             second.close()
         consumer.forget_peer(first.agent_name)
