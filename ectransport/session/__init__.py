@@ -9,6 +9,7 @@ from ectransport.session.commands import (
     Push,
     Release,
     Report,
+    Revoke,
     Send,
 )
 from ectransport.session.consumer import ConsumerConfig, ConsumerSession, FetchState
