@@ -211,6 +211,9 @@ def fetch(address, mm_hashes, server_key, key_file, insecure, hidden, dtype, see
     with ConsumerNode(layout=layout, security=security, planes=tuple(planes),
                       fetch_timeout_s=timeout_s) as node:
         peer = ProducerAddress(host, port, pub)
+        plane = node.connect(peer, timeout_s=min(timeout_s, 10.0))  # typed, one-line errors
+        click.echo(f"connected to {host}:{port} (CURVE {'off' if insecure else 'on'}, plane {plane}: "
+                   f"{node.plane_transports().get(plane, plane)})")
         for mm in mm_hashes:
             r = node.fetch(peer, mm)
             if r.ok:

@@ -28,7 +28,14 @@ import numpy as np
 
 from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
-from ectransport.errors import ConfigError
+from ectransport.errors import (
+    AuthError,
+    ConfigError,
+    ECTransportError,
+    NoCommonPlane,
+    ProtocolError,
+    VersionError,
+)
 from ectransport.node.common import Layout, Security
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import (
@@ -154,6 +161,7 @@ class ConsumerNode:
         self._sessions: dict[str, ConsumerSession] = {}
         self._waiters: dict[tuple[str, str], list[Future]] = {}
         self._inbox: collections.deque = collections.deque()
+        self._connecting: dict[str, list[tuple[Future, float]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
         self._thread.start()
@@ -164,9 +172,28 @@ class ConsumerNode:
         """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss` by the deadline."""
         fut: Future = Future()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
-        self._inbox.append((producer, mm_hash, deadline, fut))
+        self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
         self._control.wake()
         return fut
+
+    def connect(self, producer: ProducerAddress, *, timeout_s: float = 5.0) -> str:
+        """Connect, authenticate and negotiate with a producer now (fetches do this lazily).
+
+        Returns:
+            The negotiated data plane.
+
+        Raises:
+            AuthError: CURVE failed (unknown client key, "producer key mismatch", plain/CURVE).
+            VersionError: no common protocol version.
+            NoCommonPlane: no data plane in common (the message names both lists).
+            ProtocolError: compatibility hash mismatch or another refusal.
+            ECTransportError: no Welcome within ``timeout_s`` (producer unreachable or stopped),
+                or the producer is quarantined after recent failures.
+        """
+        fut: Future = Future()
+        self._inbox.append(("connect", producer, "", time.monotonic() + timeout_s, fut))
+        self._control.wake()
+        return fut.result(timeout=timeout_s + 5.0)
 
     def fetch(self, producer: ProducerAddress, mm_hash: str, *,
               timeout_s: float | None = None) -> Outcome:
@@ -212,9 +239,15 @@ class ConsumerNode:
         for s in list(self._sessions.values()):
             self._execute(s, s.close(), now)
         while self._inbox:
-            producer, mm, _, fut = self._inbox.popleft()
-            if fut is not None:
+            kind, _, mm, _, fut = self._inbox.popleft()
+            if kind == "fetch":
                 fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
+            elif kind == "connect":
+                fut.set_exception(ECTransportError("consumer closed"))
+        for waiters in self._connecting.values():
+            for fut, _ in waiters:
+                if not fut.done():
+                    fut.set_exception(ECTransportError("consumer closed"))
 
     def _step(self, control) -> None:
         busy = any(s.reading() for s in self._sessions.values())
@@ -222,11 +255,13 @@ class ConsumerNode:
         events = control.poll(timeout)
         now = time.monotonic()
         while self._inbox:
-            producer, mm_hash, deadline, fut = self._inbox.popleft()
-            if producer == "release":
-                self._release(mm_hash, deadline)
-            else:
+            kind, producer, mm_hash, deadline, fut = self._inbox.popleft()
+            if kind == "release":
+                self._release(producer, deadline)
+            elif kind == "fetch":
                 self._start(producer, mm_hash, deadline, fut, now)
+            else:
+                self._start_connect(producer, deadline, fut, now)
         for ev in events:
             kind = type(ev).__name__
             conn = getattr(ev, "source", None) or getattr(ev, "conn", None)
@@ -248,11 +283,14 @@ class ConsumerNode:
                 for mm_hash, handle in s.reading():
                     self._execute(s, s.on_read_state(mm_hash, plane.check(handle).value, now), now)
             self._execute(s, s.poll(now), now)
+            if s.conn in self._connecting:
+                self._check_connecting(s, now)
             if s.failed is not None and not s.in_flight():
                 self._drop(s)
 
     def _idle_timeout(self) -> float:
         ds = [d for s in self._sessions.values() if (d := s.next_deadline()) is not None]
+        ds += [d for waiters in self._connecting.values() for _, d in waiters]
         if not ds:
             return 0.1
         return min(0.1, max(0.0, min(ds) - time.monotonic()))
@@ -264,16 +302,55 @@ class ConsumerNode:
         waiters.append(fut)
         if len(waiters) > 1:  # the same fetch is already in flight: join it
             return
+        try:
+            s = self._session_for(producer, now)
+        except Exception as e:
+            self._resolve(producer.key, Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"))
+            return
+        self._execute(s, s.fetch(mm_hash, now, deadline), now)
+
+    def _session_for(self, producer: ProducerAddress, now: float) -> ConsumerSession:
         s = self._sessions.get(producer.key)
         if s is None:
-            try:
-                conn = self._control.connect(producer.host, producer.port, producer.public_key)
-            except Exception as e:
-                self._resolve(producer.key, Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"))
-                return
+            conn = self._control.connect(producer.host, producer.port, producer.public_key)
             s = ConsumerSession(self.config, conn, self.store, now)
             self._sessions[conn] = s
-        self._execute(s, s.fetch(mm_hash, now, deadline), now)
+        return s
+
+    def _start_connect(self, producer: ProducerAddress, deadline: float, fut: Future,
+                       now: float) -> None:
+        try:
+            s = self._session_for(producer, now)
+        except Exception as e:
+            fut.set_exception(e)
+            return
+        if s.blocked_until and not s.welcomed and s.in_flight() == 0 and now >= s.blocked_until:
+            self._execute(s, s.fetch_probe(now), now)
+        self._connecting.setdefault(s.conn, []).append((fut, deadline))
+        self._check_connecting(s, now)
+
+    def _check_connecting(self, s: ConsumerSession, now: float) -> None:
+        """Resolve ``connect`` waiters of a session: welcomed, failed, quarantined or late."""
+        waiters = self._connecting.get(s.conn, [])
+        keep = []
+        for fut, deadline in waiters:
+            if s.welcomed:
+                fut.set_result(s.plane)
+            elif s.failed is not None:
+                fut.set_exception(_session_error(s.failed))
+            elif now < s.blocked_until:
+                fut.set_exception(ECTransportError(
+                    f"producer {s.conn} is quarantined for {s.blocked_until - now:.1f} s after: "
+                    f"{s.blocked_reason}"))
+            elif now >= deadline:
+                fut.set_exception(ECTransportError(
+                    f"no Welcome from producer {s.conn} in time: unreachable, stopped or slow"))
+            else:
+                keep.append((fut, deadline))
+        if keep:
+            self._connecting[s.conn] = keep
+        else:
+            self._connecting.pop(s.conn, None)
 
     def _execute(self, s: ConsumerSession, cmds: list, now: float) -> None:
         for c in cmds:
@@ -320,7 +397,7 @@ class ConsumerNode:
         """Finalizer of a Fetched's buffer (any thread): return its blocks via the loop."""
         if self._stop.is_set():
             return
-        self._inbox.append(("release", local_key, entry_id, None))
+        self._inbox.append(("release", local_key, "", entry_id, None))
         self._control.wake()
 
     def _release(self, local_key: str, entry_id: int) -> None:
@@ -347,3 +424,14 @@ class ConsumerNode:
             p.close()
         self._planes.clear()
         self.region.close()
+
+
+def _session_error(miss: Miss) -> ECTransportError:
+    """The typed exception for a session-wide failure (see :meth:`ConsumerNode.connect`)."""
+    if miss.reason is MissReason.AUTH:
+        return AuthError(miss.detail)
+    if miss.reason is MissReason.VERSION:
+        return VersionError(miss.detail)
+    if miss.reason is MissReason.INCOMPATIBLE and "no common data plane" in miss.detail:
+        return NoCommonPlane(miss.detail)
+    return ProtocolError(miss.detail)

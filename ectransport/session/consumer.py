@@ -214,6 +214,12 @@ class ConsumerSession:
             cmds += self._send_req(f, now)
         return cmds
 
+    def fetch_probe(self, now: float) -> list[Command]:
+        """Probe a producer whose quarantine ended (Hello), without a fetch."""
+        if self.welcomed or not self._connected or now < self.blocked_until:
+            return []
+        return self._hello(now)
+
     def on_auth_failed(self, reason: str, now: float) -> list[Command]:
         return self._fail_session(Miss("", MissReason.AUTH, reason))
 

@@ -1,0 +1,465 @@
+"""Conformance suite for data planes: what every :class:`~ectransport.data.base.DataTransport`
+must do, run against real instances of the plane (two planes over two host regions, one process).
+
+How a plane or plugin author runs it, in their own test file (pytest)::
+
+    import pytest
+    from ectransport.testing.conformance import PlaneConformance
+    from my_plugin import MyPlane
+
+    class TestMyPlaneConformance(PlaneConformance):
+        @pytest.fixture
+        def plane_class(self):
+            return MyPlane
+
+        @pytest.fixture
+        def plane_options(self):          # optional: constructor options of both planes
+            return {"some_option": 1}
+
+        def granted_ranges(self, plane, plane_grant):   # optional hook, see below
+            ...
+
+``PlaneConformance`` itself is not collected (its name does not start with ``Test``); the
+subclass inherits every ``test_*`` method. A plane whose :meth:`probe` fails, or that cannot move
+``"DRAM"``, is skipped. Knobs (class attributes): :attr:`PlaneConformance.block_bytes`,
+:attr:`~PlaneConformance.num_blocks`, :attr:`~PlaneConformance.deadline_s`,
+:attr:`~PlaneConformance.release_stops_landing`.
+
+What is checked (each test bounded by ``deadline_s`` and cleaning up after itself):
+
+* declarations: name, plugin API version, :class:`Capabilities`, ``probe``, ``describe_transport``;
+* round trips of 0 B, 1 B, 4 KiB, 1 MiB and 64 MiB (64 KiB blocks, the last one partial), with
+  the bytes outside the consumer's runs untouched and, for planes with notifications, the
+  consumer's ``notif`` delivered exactly once to the producer;
+* many blocks (256 single-block runs) and scattered runs whose boundaries differ on each side;
+* 8 concurrent transfers;
+* a deadline that expires while a transfer may still be PROC: the consumer releases it (what the
+  node does), the handle ends DONE or ERR (never PROC), no byte lands after ``release`` returns
+  (unless ``release_stops_landing`` is False), and for revocable planes the producer revokes it as
+  the node would. A fast plane may finish before the deadline; the suite cannot force a transfer to
+  stay in flight, so it asserts the clean outcome of either case;
+* cancel: releasing several transfers in flight leaves both planes usable;
+* peer death: the producer plane is closed while the consumer transfers 64 MiB; the consumer's
+  handle leaves PROC within ``deadline_s`` and the consumer works with a new producer;
+* ``describe`` exposes only the granted runs (optional hook :meth:`granted_ranges`) and rejects
+  runs outside the region; ``start`` rejects malformed and mismatched grants with DataPlaneError;
+* revoke (planes that override :meth:`DataTransport.revoke`): a later transfer of a revoked grant
+  ends in ERR or DataPlaneError; revoking garbage is a no-op;
+* teardown: ``close`` is idempotent, later calls fail cleanly, and no Python thread is left.
+
+Transfers are driven as the nodes drive them: ``prepare`` on the consumer, ``describe`` on the
+producer, ``push`` on the producer for PUSH planes, then ``start``/``check``/``release`` on the
+consumer and ``poll_notifications`` on the producer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import pytest
+
+from ectransport.data.base import (
+    PLUGIN_API_VERSION,
+    Capabilities,
+    DataTransport,
+    TransferModel,
+    XferState,
+)
+from ectransport.errors import DataPlaneError
+from ectransport.store import HostRegion, Run
+
+KiB = 1024
+MiB = 1024 * KiB
+SENTINEL = 0xEE  # the consumer region's bytes before any transfer
+
+
+# -- helpers (usable on their own) -------------------------------------------------------------------
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic pseudo-random ``uint8`` bytes."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+
+
+def read_runs(region: HostRegion, runs: Sequence[Run], nbytes: int) -> np.ndarray:
+    """A copy of the first ``nbytes`` bytes of ``runs`` (0 bytes allowed)."""
+    views = region.view(list(runs), nbytes)
+    return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
+
+
+def gaps(region: HostRegion, runs: Sequence[Run]) -> list[tuple[int, int]]:
+    """``(offset, length)`` of every byte range of ``region`` outside ``runs`` (whole blocks)."""
+    out, pos = [], 0
+    for r in sorted(runs, key=lambda r: r.start):
+        if r.start * region.block_bytes > pos:
+            out.append((pos, r.start * region.block_bytes - pos))
+        pos = max(pos, (r.start + r.count) * region.block_bytes)
+    if pos < region.nbytes:
+        out.append((pos, region.nbytes - pos))
+    return out
+
+
+def untouched_outside(region: HostRegion, runs: Sequence[Run], value: int = SENTINEL) -> bool:
+    """Whether every byte of ``region`` outside ``runs`` still equals ``value``."""
+    return all(bool((region.buf[off:off + n] == value).all()) for off, n in gaps(region, runs))
+
+
+def wait_state(plane: DataTransport, handle: Any, timeout_s: float) -> XferState:
+    """Poll ``check`` until not PROC or ``timeout_s`` passed; the last state."""
+    end = time.monotonic() + timeout_s
+    while (state := plane.check(handle)) is XferState.PROC and time.monotonic() < end:
+        time.sleep(0.0005)
+    return state
+
+
+def wait_notifs(plane: DataTransport, want: int, timeout_s: float) -> list[bytes]:
+    """Notifications of ``plane`` until ``want`` arrived or ``timeout_s`` passed."""
+    got: list[bytes] = []
+    end = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < end:
+        got += plane.poll_notifications()
+        time.sleep(0.001)
+    return got
+
+
+def blocks_for(nbytes: int, block_bytes: int) -> int:
+    return max(1, -(-nbytes // block_bytes))
+
+
+@dataclass
+class Transfer:
+    """One transfer driven through the contract (see :meth:`Pair.begin`)."""
+
+    grant: bytes
+    handle: Any
+    push_handle: Any
+    prod_runs: list[Run]
+    cons_runs: list[Run]
+    nbytes: int
+    data: np.ndarray
+    notif: bytes
+
+
+@dataclass
+class Pair:
+    """A producer plane and a consumer plane, each over its own region."""
+
+    producer: DataTransport
+    consumer: DataTransport
+    prod_region: HostRegion
+    cons_region: HostRegion
+    deadline_s: float
+    extra: list[DataTransport] = field(default_factory=list)
+
+    @property
+    def pushes(self) -> bool:
+        return self.producer.capabilities.transfer_model is TransferModel.PUSH
+
+    def begin(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int, seed: int,
+              notif: bytes | None = None, grant: bytes | None = None) -> Transfer:
+        """Write a pattern into the producer's runs and start moving it, as the nodes do."""
+        data = pattern(nbytes, seed)
+        self.prod_region.write(list(prod_runs), data)
+        notif = f"notif-{seed}".encode() if notif is None else notif
+        prepared, dest = self.consumer.prepare(list(cons_runs), nbytes)
+        if grant is None:
+            grant = self.producer.describe(list(prod_runs), nbytes)
+        push_handle = None
+        if self.pushes:
+            push_handle = self.producer.push(dest, list(prod_runs), nbytes, notif)
+        handle = self.consumer.start(prepared, grant, list(cons_runs), nbytes, notif)
+        return Transfer(grant, handle, push_handle, list(prod_runs), list(cons_runs), nbytes,
+                        data, notif)
+
+    def finish(self, t: Transfer) -> XferState:
+        """Wait for ``t`` (bounded), release both handles, return the consumer's final state."""
+        try:
+            state = wait_state(self.consumer, t.handle, self.deadline_s)
+            if t.push_handle is not None:
+                wait_state(self.producer, t.push_handle, self.deadline_s)
+        finally:
+            self.consumer.release(t.handle)
+            if t.push_handle is not None:
+                self.producer.release(t.push_handle)
+        return state
+
+    def round_trip(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int,
+                   seed: int) -> Transfer:
+        """A complete transfer; asserts DONE and equal bytes."""
+        t = self.begin(prod_runs, cons_runs, nbytes, seed)
+        assert self.finish(t) is XferState.DONE, "transfer did not complete"
+        np.testing.assert_array_equal(read_runs(self.cons_region, cons_runs, nbytes), t.data)
+        return t
+
+
+class PlaneConformance:
+    """Subclass in a ``Test*`` class and override the ``plane_class`` fixture (see module doc)."""
+
+    #: block size of both regions, bytes (64 KiB: 4 KiB is one partial block, 64 MiB 1024 blocks)
+    block_bytes: ClassVar[int] = 64 * KiB
+    #: blocks per region (1100 × 64 KiB ≈ 69 MiB: one 64 MiB transfer plus room around it)
+    num_blocks: ClassVar[int] = 1100
+    #: bound of every wait, seconds
+    deadline_s: ClassVar[float] = 10.0
+    #: whether no byte may land in the consumer's blocks once ``release`` returned; a plane that
+    #: cannot cancel a DMA (the node then quarantines the blocks) sets it False and says why
+    release_stops_landing: ClassVar[bool] = True
+
+    # -- hooks --------------------------------------------------------------------------------------
+    @pytest.fixture
+    def plane_class(self) -> type[DataTransport]:
+        pytest.fail("override the plane_class fixture in your PlaneConformance subclass")
+
+    @pytest.fixture
+    def plane_options(self) -> dict[str, Any]:
+        return {}
+
+    def granted_ranges(self, plane: DataTransport,
+                       plane_grant: bytes) -> list[tuple[int, int]] | None:
+        """Optional: the ``(offset, length)`` byte ranges of the producer's region that
+        ``plane_grant`` exposes (offsets from the region start), in payload order; None (the
+        default) skips the check."""
+        return None
+
+    # -- fixtures -----------------------------------------------------------------------------------
+    @pytest.fixture
+    def checked_class(self, plane_class: type[DataTransport]) -> type[DataTransport]:
+        ok, why = plane_class.probe()
+        if not ok:
+            pytest.skip(f"plane {plane_class.__name__} cannot run here: {why}")
+        if "DRAM" not in plane_class.capabilities.mem_kinds:
+            pytest.skip(f"plane {plane_class.__name__} does not move DRAM")
+        return plane_class
+
+    @pytest.fixture
+    def make_plane(self, checked_class, plane_options):
+        made: list[DataTransport] = []
+
+        def make(node_id: str, region: HostRegion) -> DataTransport:
+            plane = checked_class(node_id=node_id, region=region, **plane_options)
+            made.append(plane)
+            return plane
+
+        yield make
+        for plane in reversed(made):
+            plane.close()
+
+    @pytest.fixture
+    def regions(self):
+        prod = HostRegion(self.num_blocks, self.block_bytes)
+        cons = HostRegion(self.num_blocks, self.block_bytes)
+        cons.buf[:] = SENTINEL
+        yield prod, cons
+        prod.close()
+        cons.close()
+
+    @pytest.fixture
+    def pair(self, make_plane, regions) -> Pair:
+        prod_region, cons_region = regions
+        return Pair(make_plane("conf-producer", prod_region), make_plane("conf-consumer",
+                    cons_region), prod_region, cons_region, self.deadline_s)
+
+    # -- declarations -------------------------------------------------------------------------------
+    def test_declarations(self, checked_class, pair):
+        cls = checked_class
+        assert isinstance(cls.name, str) and cls.name
+        assert cls.plugin_api_version == PLUGIN_API_VERSION
+        assert isinstance(cls.capabilities, Capabilities)
+        assert isinstance(cls.capabilities.transfer_model, TransferModel)
+        ok, why = cls.probe()
+        assert ok is True and isinstance(why, str)
+        assert isinstance(pair.producer.describe_transport(), str)
+
+    # -- round trips --------------------------------------------------------------------------------
+    @pytest.mark.parametrize("nbytes", [0, 1, 4 * KiB, 1 * MiB, 64 * MiB],
+                             ids=["0B", "1B", "4KiB", "1MiB", "64MiB"])
+    def test_round_trip(self, pair, nbytes):
+        n = blocks_for(nbytes, self.block_bytes)
+        prod_runs, cons_runs = [Run(3, n)], [Run(self.num_blocks - n - 5, n)]
+        pair.producer.poll_notifications()
+        t = pair.round_trip(prod_runs, cons_runs, nbytes, seed=nbytes + 1)
+        assert untouched_outside(pair.cons_region, cons_runs), "bytes outside the runs changed"
+        if pair.producer.capabilities.notifications:
+            assert wait_notifs(pair.producer, 1, self.deadline_s) == [t.notif]
+            assert pair.producer.poll_notifications() == []  # delivered once
+
+    def test_many_blocks(self, pair):
+        prod_runs = [Run(3 * i, 1) for i in range(256)]  # 256 one-block runs, gaps between
+        cons_runs = [Run(1 + 2 * i, 1) for i in reversed(range(256))]  # other gaps, reversed
+        pair.round_trip(prod_runs, cons_runs, 256 * self.block_bytes - 3, seed=7)
+
+    @pytest.mark.parametrize(("prod_runs", "cons_runs", "nblocks"), [
+        ([Run(3, 2), Run(10, 5), Run(40, 1)], [Run(0, 1), Run(20, 4), Run(50, 3)], 8),
+        ([Run(5, 2), Run(7, 3), Run(30, 1)], [Run(60, 4), Run(1, 1), Run(40, 1)], 6),
+        ([Run(100, 17)], [Run(2, 1), Run(9, 3), Run(200, 5), Run(300, 8)], 17),
+    ], ids=["three-vs-three", "adjacent-vs-scattered", "one-vs-four"])
+    def test_scattered_runs(self, pair, prod_runs, cons_runs, nblocks):
+        nbytes = nblocks * self.block_bytes - 5
+        pair.round_trip(prod_runs, cons_runs, nbytes, seed=nblocks)
+        assert untouched_outside(pair.cons_region, cons_runs), "bytes outside the runs changed"
+
+    def test_concurrent_transfers(self, pair):
+        pair.producer.poll_notifications()
+        width = 16  # 1 MiB each
+        transfers = [pair.begin([Run(i * width, width)], [Run(500 + i * width, width)],
+                                width * self.block_bytes - i, seed=100 + i) for i in range(8)]
+        states = [pair.finish(t) for t in transfers]
+        assert states == [XferState.DONE] * 8
+        for t in transfers:
+            np.testing.assert_array_equal(read_runs(pair.cons_region, t.cons_runs, t.nbytes),
+                                          t.data)
+        if pair.producer.capabilities.notifications:
+            got = wait_notifs(pair.producer, 8, self.deadline_s)
+            assert sorted(got) == sorted(t.notif for t in transfers)
+
+    # -- deadlines, cancel, peer death ---------------------------------------------------------------
+    def test_deadline_expiry_releases_cleanly(self, pair):
+        """The node's consumer releases a transfer whose deadline passed (here: 1 ms)."""
+        n = 1024
+        t = pair.begin([Run(0, n)], [Run(10, n)], n * self.block_bytes, seed=11)
+        wait_state(pair.consumer, t.handle, 0.001)
+        pair.consumer.release(t.handle)
+        pair.consumer.release(t.handle)  # idempotent
+        if self._revocable(pair.producer):
+            pair.producer.revoke(t.grant)  # the producer's lease/notification ends the grant
+        if t.push_handle is not None:
+            pair.producer.release(t.push_handle)
+        state = pair.consumer.check(t.handle)
+        assert state in (XferState.DONE, XferState.ERR)
+        if self.release_stops_landing:
+            snapshot = pair.cons_region.buf.copy()
+            time.sleep(0.2)
+            assert np.array_equal(pair.cons_region.buf, snapshot), "bytes landed after release"
+        assert pair.consumer.check(t.handle) is state  # final states stay
+        pair.round_trip([Run(0, 4)], [Run(1050, 4)], 4 * self.block_bytes, seed=12)
+
+    def test_cancel_leaves_both_planes_usable(self, pair):
+        transfers = [pair.begin([Run(i * 256, 256)], [Run(i * 256 + 20, 256)],
+                                256 * self.block_bytes, seed=20 + i) for i in range(4)]
+        for t in transfers:
+            pair.consumer.release(t.handle)
+            if self._revocable(pair.producer):
+                pair.producer.revoke(t.grant)
+            if t.push_handle is not None:
+                pair.producer.release(t.push_handle)
+        for t in transfers:
+            assert pair.consumer.check(t.handle) in (XferState.DONE, XferState.ERR)
+        pair.producer.poll_notifications()
+        t = pair.round_trip([Run(1030, 3)], [Run(1060, 3)], 3 * self.block_bytes, seed=30)
+        if pair.producer.capabilities.notifications:
+            assert t.notif in wait_notifs(pair.producer, 1, self.deadline_s)
+
+    def test_peer_death_ends_the_transfer(self, pair, make_plane):
+        n = 1024
+        t = pair.begin([Run(0, n)], [Run(10, n)], n * self.block_bytes, seed=40)
+        pair.producer.close()
+        start = time.monotonic()
+        state = wait_state(pair.consumer, t.handle, self.deadline_s)
+        assert state is not XferState.PROC, f"still PROC {self.deadline_s} s after peer death"
+        assert time.monotonic() - start < self.deadline_s
+        pair.consumer.release(t.handle)
+        # the consumer still works, with a restarted producer
+        pair.producer = make_plane("conf-producer", pair.prod_region)
+        pair.round_trip([Run(5, 3)], [Run(1070, 3)], 3 * self.block_bytes - 1, seed=41)
+
+    # -- grants ---------------------------------------------------------------------------------------
+    def test_describe_covers_only_granted_runs(self, pair):
+        runs = [Run(3, 2), Run(5, 1), Run(20, 4), Run(9, 1)]
+        nbytes = 8 * self.block_bytes
+        grant = pair.producer.describe(runs, nbytes)
+        ranges = self.granted_ranges(pair.producer, grant)
+        if ranges is None:
+            pytest.skip("no granted_ranges hook for this plane")
+        outside = gaps(pair.prod_region, runs)
+        for off, length in ranges:
+            assert 0 <= off and off + length <= pair.prod_region.nbytes
+            assert not any(off < g_off + g_n and g_off < off + length for g_off, g_n in outside), \
+                f"the grant exposes bytes {off}..{off + length} outside the granted runs"
+        assert sum(length for _, length in ranges) >= nbytes
+
+    def test_describe_rejects_bad_runs(self, pair):
+        with pytest.raises(DataPlaneError):
+            pair.producer.describe([Run(self.num_blocks - 1, 2)], self.block_bytes)
+        with pytest.raises(DataPlaneError):
+            pair.producer.describe([], 0)
+        with pytest.raises(DataPlaneError):
+            pair.producer.describe([Run(0, 1)], self.block_bytes + 1)
+
+    def test_start_rejects_bad_grants(self, pair):
+        runs = [Run(0, 2)]
+        good = pair.producer.describe(runs, 2 * self.block_bytes)
+        bad = {
+            "empty": b"",
+            "garbage": b"\xc1\x00garbage",
+            "other msgpack": msgspec.msgpack.encode({"hello": [1, 2, 3]}),
+            "truncated": good[: len(good) // 2],
+        }
+        for label, grant in bad.items():
+            try:
+                handle = pair.consumer.start(None, grant, [Run(8, 2)], 2 * self.block_bytes, b"x")
+            except DataPlaneError:
+                continue
+            pair.consumer.release(handle)
+            pytest.fail(f"grant {label!r} was accepted")
+        with pytest.raises(DataPlaneError):  # the local runs are longer than the grant's
+            pair.consumer.start(None, good, [Run(8, 3)], 2 * self.block_bytes, b"x")
+        with pytest.raises(DataPlaneError):  # local runs outside the consumer's region
+            pair.consumer.start(None, good, [Run(self.num_blocks - 1, 2)], 2 * self.block_bytes,
+                                b"x")
+        pair.round_trip(runs, [Run(8, 2)], 2 * self.block_bytes, seed=50)
+
+    @staticmethod
+    def _revocable(plane: DataTransport) -> bool:
+        return type(plane).revoke is not DataTransport.revoke
+
+    def test_revoke(self, pair):
+        if not self._revocable(pair.producer):
+            pytest.skip("plane cannot revoke (inherits DataTransport.revoke)")
+        pair.producer.revoke(b"")  # garbage: no-op
+        pair.producer.revoke(b"\xc1garbage")
+        runs = [Run(0, 4)]
+        grant = pair.producer.describe(runs, 4 * self.block_bytes)
+        pair.producer.revoke(grant)
+        pair.producer.revoke(grant)  # twice: no-op
+        try:
+            t = pair.begin(runs, [Run(100, 4)], 4 * self.block_bytes, seed=60, grant=grant)
+        except DataPlaneError:
+            pass
+        else:
+            assert pair.finish(t) is XferState.ERR, "a revoked grant was served"
+        pair.round_trip(runs, [Run(100, 4)], 4 * self.block_bytes, seed=61)
+
+    # -- teardown -------------------------------------------------------------------------------------
+    def test_close_is_idempotent_and_releases_everything(self, checked_class, plane_options,
+                                                          regions):
+        prod_region, cons_region = regions
+        before = threading.active_count()
+        producer = checked_class(node_id="conf-producer", region=prod_region, **plane_options)
+        consumer = checked_class(node_id="conf-consumer", region=cons_region, **plane_options)
+        pair = Pair(producer, consumer, prod_region, cons_region, self.deadline_s)
+        try:
+            done = pair.round_trip([Run(0, 2)], [Run(0, 2)], 2 * self.block_bytes, seed=70)
+            in_flight = pair.begin([Run(10, 512)], [Run(10, 512)], 512 * self.block_bytes,
+                                   seed=71)
+        finally:
+            consumer.close()
+            consumer.close()
+            producer.close()
+            producer.close()
+        consumer.release(done.handle)  # after close: no error
+        consumer.release(in_flight.handle)
+        assert consumer.check(in_flight.handle) in (XferState.DONE, XferState.ERR)
+        assert producer.poll_notifications() == []
+        with pytest.raises(DataPlaneError):
+            producer.describe([Run(0, 1)], self.block_bytes)
+        with pytest.raises(DataPlaneError):
+            consumer.start(None, done.grant, [Run(0, 2)], 2 * self.block_bytes, b"")
+        end = time.monotonic() + self.deadline_s
+        while threading.active_count() > before and time.monotonic() < end:
+            time.sleep(0.01)
+        assert threading.active_count() <= before, \
+            f"threads left after close: {[t.name for t in threading.enumerate()]}"
