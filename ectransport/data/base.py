@@ -3,13 +3,16 @@
 A plane is a :class:`DataTransport` subclass that *declares* what it can do (:class:`Capabilities`)
 instead of making callers probe with try/except. One instance serves one node and one host region.
 
-Two transfer models exist:
+The flow is the same for every plane: the producer describes the granted blocks in an opaque
+``plane_grant`` (:meth:`describe`); the consumer starts the transfer with it (:meth:`start`) and
+polls the handle (:meth:`check`); the producer learns of completion (:meth:`poll_notifications`)
+and, when the grant ends, :meth:`revoke` s it. What differs is who moves the bytes, declared as
+:class:`TransferModel`:
 
-* ``READ`` (e.g. NIXL): the producer describes the granted blocks in an opaque ``plane_grant``; the
-  consumer posts a one-sided READ of them into its own blocks and polls the handle.
-* ``PUSH`` (e.g. UCX via ucxx, TCP): the consumer prepares a receive and sends its destination in
-  ``XferReq.dest``; the producer pushes the granted blocks there after granting; the consumer polls
-  its receive handle.
+* ``READ`` (e.g. NIXL): the consumer's ``start`` posts a one-sided READ of the granted blocks.
+* ``PUSH`` (e.g. TCP, UCX via ucxx, which has no one-sided RMA in Python): the consumer's ``start``
+  sends a request naming the grant to the producer's plane endpoint, and the producer's plane sends
+  the granted blocks straight from its region into the consumer's blocks.
 
 Sizes are bytes; timeouts seconds. Block runs are :class:`ectransport.store.Run` (block index +
 count) of the region passed to the constructor, whose ``block_bytes`` both sides share (the
@@ -34,7 +37,7 @@ PLUGIN_API_VERSION = 1
 
 class TransferModel(enum.Enum):
     READ = "read"  #: one-sided READ by the consumer
-    PUSH = "push"  #: producer sends into the consumer's prepared blocks
+    PUSH = "push"  #: the producer's plane sends the granted blocks on the consumer's request
 
 
 class XferState(enum.Enum):
@@ -112,15 +115,7 @@ class DataTransport(ABC):
         """Completion notifications received since the last call (producer side)."""
         return []
 
-    def push(self, dest: bytes, runs: Sequence[Run], nbytes: int, notif: bytes) -> Handle:
-        """PUSH planes: start sending ``nbytes`` of ``runs`` to the consumer's ``dest``."""
-        raise NotImplementedError(f"plane {self.name} does not push")
-
     # -- consumer side --------------------------------------------------------------------------
-    def prepare(self, runs: Sequence[Run], nbytes: int) -> tuple[Handle | None, bytes]:
-        """Before an XferReq: ``(receive_handle, dest)``; READ planes return ``(None, b"")``."""
-        return None, b""
-
     @abstractmethod
     def start(
         self,
@@ -130,7 +125,9 @@ class DataTransport(ABC):
         nbytes: int,
         notif: bytes,
     ) -> Handle:
-        """After an OK ack: start (READ) or adopt (PUSH) the transfer into local ``runs``.
+        """After an OK ack: start the transfer of the granted blocks into local ``runs``.
+
+        ``prepared`` is reserved (always None in plugin API 1).
 
         ``notif`` is delivered to the producer's :meth:`poll_notifications` on completion if the
         plane has notifications.

@@ -15,8 +15,10 @@ Model (a consumer-initiated request, the producer sends):
    for :meth:`TcpPlane.poll_notifications` once every byte was handed to the kernel (from then on
    the region is no longer read for this grant, so the producer may unpin).
 5. Producer, :meth:`TcpPlane.revoke`: unregisters the token; a later request gets
-   ``STATUS_UNKNOWN_GRANT``, and a send in progress is aborted (its connection is shut down) before
-   ``revoke`` returns, so no byte of a possibly re-allocated block is ever read after it.
+   ``STATUS_UNKNOWN_GRANT``, and a send in progress stops before ``revoke`` returns (at its next
+   ``sendmsg``, or, if blocked on a full socket buffer for 50 ms, by shutting its connection down),
+   so no byte of a possibly re-allocated block is ever read after it. Revoking a grant whose send
+   finished keeps the (pooled) connection.
 
 Framing: every header is a 4-byte big-endian length (1..:data:`MAX_HEADER_BYTES`) then a msgpack
 body with a required protocol version. A client that sends an oversized, undecodable or
@@ -28,10 +30,8 @@ Security: the token is a capability secret that travels inside the CURVE-encrypt
 but the payload itself crosses TCP in clear text. The default bind is loopback; binding another
 address logs a warning. Use NIXL/UCX (or a network you trust) for confidential data.
 
-Deviation from the PUSH model of :mod:`ectransport.data.base`: the consumer initiates each
-transfer with its request, so :meth:`TcpPlane.prepare` returns ``(None, b"")`` and
-:meth:`TcpPlane.push` (which the producer node calls after granting, because the plane declares
-PUSH) only returns an already-complete handle. The bytes still flow producer → consumer.
+As the PUSH model of :mod:`ectransport.data.base` says, the consumer's :meth:`TcpPlane.start`
+sends the request and the bytes flow producer → consumer.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ STATUS_BAD_REQUEST = 2
 _IOV_MAX = 512  # buffers per sendmsg call (POSIX guarantees IOV_MAX >= 16, Linux has 1024)
 _PREFIX = 4
 _JOIN_S = 2.0  # close(): how long to wait for each background thread
+_REVOKE_GRACE_S = 0.05  # revoke(): wait this long for a sendmsg in progress before aborting it
 
 _OPTIONS = {
     "host": "127.0.0.1",  # bind address of the listener
@@ -220,7 +221,8 @@ class _Served:
 class _Recv:
     """Consumer side: one receive (the handle returned by :meth:`TcpPlane.start`)."""
 
-    __slots__ = ("cancelled", "detail", "io_lock", "nbytes", "sock", "state", "thread")
+    __slots__ = ("cancelled", "detail", "io_lock", "nbytes", "sock", "sock_lock", "state",
+                 "thread")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
@@ -229,16 +231,9 @@ class _Recv:
         self.cancelled = False
         self.sock: socket.socket | None = None
         self.io_lock = threading.Lock()  # held during each recv_into into the local blocks
+        self.sock_lock = threading.Lock()  # guards sock/cancelled; never held across I/O
         self.thread: threading.Thread | None = None
 
-
-class _Pushed:
-    """What :meth:`TcpPlane.push` returns: nothing to do, the consumer's request drives the send."""
-
-    __slots__ = ()
-
-
-_PUSHED = _Pushed()
 
 
 class TcpPlane(DataTransport):
@@ -388,12 +383,18 @@ class TcpPlane(DataTransport):
             served = self._grants.pop(token, None)
             if served is None:
                 return
-            served.revoked = True
-            senders = list(served.senders)
-        for sock in senders:
-            _shutdown(sock)  # wakes a sendmsg blocked on a full socket buffer
-        with served.lock:  # waits out a sendmsg of this grant in progress
-            pass
+            served.revoked = True  # a sender checks it under served.lock before each sendmsg
+        # A sender between two sendmsg calls (or done) frees served.lock at once and then stops;
+        # one blocked on a full socket buffer (a slow or gone consumer) is woken by a shutdown.
+        if not served.lock.acquire(timeout=_REVOKE_GRACE_S):
+            with self._lock:
+                senders = list(served.senders)
+            for sock in senders:
+                _shutdown(sock)
+            if not served.lock.acquire(timeout=self._io_timeout_s):  # pragma: no cover
+                _log.error("tcp plane: a send of a revoked grant did not stop")
+                return
+        served.lock.release()
 
     def poll_notifications(self) -> list[bytes]:
         out = []
@@ -402,11 +403,6 @@ class TcpPlane(DataTransport):
                 out.append(self._notifs.popleft())
             except IndexError:
                 return out
-
-    def push(self, dest: bytes, runs: Sequence[Run], nbytes: int, notif: bytes) -> _Pushed:
-        """No-op: the consumer's request (from :meth:`start`) drives the send; returns a DONE
-        handle so that a node that pushes after granting works unchanged."""
-        return _PUSHED
 
     # -- consumer side ----------------------------------------------------------------------------
     def start(self, prepared: Any, plane_grant: bytes, runs: Sequence[Run], nbytes: int,
@@ -451,8 +447,6 @@ class TcpPlane(DataTransport):
 
     def check(self, handle: Any) -> XferState:
         """PROC, DONE or ERR; a released handle keeps its last state (ERR if it was in flight)."""
-        if handle is _PUSHED:
-            return XferState.DONE
         if not isinstance(handle, _Recv):
             return XferState.ERR
         return handle.state
@@ -464,8 +458,9 @@ class TcpPlane(DataTransport):
         """
         if not isinstance(handle, _Recv):
             return
-        handle.cancelled = True
-        _shutdown(handle.sock)  # wakes a recv_into blocked in the receive thread
+        with handle.sock_lock:
+            handle.cancelled = True
+            _shutdown(handle.sock)  # wakes a recv_into blocked in the receive thread
         with handle.io_lock:  # waits out a recv_into in progress
             if handle.state is XferState.PROC:
                 handle.state = XferState.ERR
@@ -587,7 +582,7 @@ class TcpPlane(DataTransport):
             _close(conn)
 
     def _refuse(self, conn: socket.socket, detail: str) -> None:
-        self.stats["bad"] += 1
+        self._count("bad")
         _log.debug("tcp plane: %s", detail)
         try:
             conn.settimeout(self._io_timeout_s)
@@ -602,7 +597,7 @@ class TcpPlane(DataTransport):
             if served is not None:
                 served.senders.add(conn)
         if served is None:
-            self.stats["unknown"] += 1
+            self._count("unknown")
             try:
                 conn.settimeout(self._io_timeout_s)
                 conn.sendall(_frame(TcpReply(TCP_WIRE_VERSION, STATUS_UNKNOWN_GRANT, 0,
@@ -618,7 +613,7 @@ class TcpPlane(DataTransport):
             while i < len(bufs):
                 with served.lock:
                     if served.revoked or self._closed:
-                        self.stats["aborted"] += 1
+                        self._count("aborted")
                         return False
                     sent = _send_some(conn, bufs, i)
                 while sent:  # advance past what went out
@@ -630,13 +625,13 @@ class TcpPlane(DataTransport):
                         bufs[i] = bufs[i][sent:]
                         sent = 0
         except OSError as exc:
-            self.stats["aborted"] += 1
+            self._count("aborted")
             _log.debug("tcp plane: send aborted: %s", exc)
             return False
         finally:
             with self._lock:
                 served.senders.discard(conn)
-        self.stats["served"] += 1
+        self._count("served")
         self._notifs.append(req.notif)
         return True
 
@@ -648,9 +643,10 @@ class TcpPlane(DataTransport):
         try:
             for attempt in (0, 1):
                 sock, reused = self._connection(endpoint, fresh=attempt > 0)
-                handle.sock = sock
-                if handle.cancelled:
-                    return
+                with handle.sock_lock:
+                    if handle.cancelled:
+                        return
+                    handle.sock = sock
                 try:
                     sock.sendall(request)
                     head = _recv_exact(sock, _PREFIX, self._io_timeout_s, self._io_timeout_s)
@@ -667,9 +663,12 @@ class TcpPlane(DataTransport):
                 _recv_exact(sock, length, self._io_timeout_s, self._io_timeout_s))
             if reply.status != STATUS_OK:
                 handle.detail = f"producer refused: status {reply.status} ({reply.detail})"
-                if reply.status == STATUS_UNKNOWN_GRANT:
-                    self._give_back(endpoint, sock)  # the stream is in sync: reusable
-                    sock = None
+                if reply.status == STATUS_UNKNOWN_GRANT:  # the stream is in sync: reusable
+                    with handle.sock_lock:
+                        reusable, handle.sock = not handle.cancelled, None
+                    if reusable:
+                        self._give_back(endpoint, sock)
+                        sock = None
                 return
             if reply.nbytes != handle.nbytes:
                 raise DataPlaneError(f"producer sends {reply.nbytes} bytes, expected "
@@ -685,9 +684,10 @@ class TcpPlane(DataTransport):
                     if k == 0:
                         raise _PeerClosed(f"producer closed after {got} of {n} bytes of a run")
                     got += k
-            with handle.io_lock:
+            with handle.io_lock, handle.sock_lock:
                 if handle.cancelled:
                     return
+                handle.sock = None  # ours alone now: a later release cannot shut it down
                 handle.state = XferState.DONE
             self._give_back(endpoint, sock)
             sock = None
@@ -699,7 +699,8 @@ class TcpPlane(DataTransport):
             _log.exception("tcp plane: receive thread failed")
         finally:
             _close(sock)
-            handle.sock = None
+            with handle.sock_lock:
+                handle.sock = None
             with handle.io_lock:
                 if handle.state is XferState.PROC:
                     handle.state = XferState.ERR
@@ -726,6 +727,10 @@ class TcpPlane(DataTransport):
                 idle.append(sock)
                 return
         _close(sock)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.stats[what] += 1
 
     # -- shared -----------------------------------------------------------------------------------
     def _mem_or_raise(self) -> memoryview:

@@ -6,7 +6,6 @@ from ectransport.session.commands import (
     Miss,
     MissReason,
     PostRead,
-    Push,
     Release,
     Report,
     Revoke,
@@ -17,6 +16,6 @@ from ectransport.session.producer import ProducerConfig, ProducerSession, notif_
 
 __all__ = [
     "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
-    "PostRead", "ProducerConfig", "ProducerSession", "Push", "Release", "Report", "Revoke", "Send",
+    "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke", "Send",
     "notif_for", "parse_notif",
 ]

@@ -21,17 +21,6 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Push:
-    """Producer, PUSH planes: send ``nbytes`` of ``runs`` to the consumer's ``dest``."""
-
-    peer: Any
-    dest: bytes
-    runs: tuple[Run, ...]
-    nbytes: int
-    notif: bytes
-
-
-@dataclass(frozen=True)
 class Revoke:
     """Producer: a grant ended (completed, expired, peer down): the ``plane`` must stop serving
     ``plane_grant`` before its blocks can be re-allocated (planes that cannot revoke ignore it)."""
@@ -42,7 +31,7 @@ class Revoke:
 
 @dataclass(frozen=True)
 class PostRead:
-    """Consumer: start the data-plane transfer of ``key`` (READ: post it; PUSH: adopt it)."""
+    """Consumer: start the data-plane transfer of ``key`` into local ``runs``."""
 
     key: str
     plane_grant: bytes
@@ -104,4 +93,4 @@ class Report:
     outcome: Landed | Miss
 
 
-Command = Send | Push | Revoke | PostRead | Release | Report
+Command = Send | Revoke | PostRead | Release | Report

@@ -158,6 +158,7 @@ class ConsumerSession:
         self.blocked_reason = ""
         self._backoff = config.peer_backoff_s
         self._connected = False
+        self._probe_due = False  # re-Hello before the next fetch (quarantine ended)
         self._hello_deadline = now + config.hello_timeout_s
         self._next_renew = float("inf")
         self._fetches: dict[str, Fetch] = {}
@@ -206,17 +207,18 @@ class ConsumerSession:
         if mm_hash in self._fetches or mm_hash in self._quarantine:
             return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
         cmds: list[Command] = []
-        if self.blocked_until and not self.welcomed and self._connected:
+        probing = self._probe_due and self._connected
+        if probing and not any(x.state is FetchState.QUEUED for x in self._fetches.values()):
             cmds += self._hello(now)  # probe a producer whose quarantine just ended
         f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now)
         self._fetches[mm_hash] = f
-        if self.welcomed:
+        if self.welcomed and not probing:
             cmds += self._send_req(f, now)
         return cmds
 
     def fetch_probe(self, now: float) -> list[Command]:
         """Probe a producer whose quarantine ended (Hello), without a fetch."""
-        if self.welcomed or not self._connected or now < self.blocked_until:
+        if not self._probe_due or not self._connected or now < self.blocked_until:
             return []
         return self._hello(now)
 
@@ -232,10 +234,12 @@ class ConsumerSession:
                 cmds += self._quarantine_fetch(f, now, MissReason.PEER_DOWN, "producer went away mid-read")
             else:
                 del self._fetches[f.mm_hash]
-                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, "producer went away (retryable)")))
+                detail = "producer went away" if self._connected else "producer unreachable"
+                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, detail + " (retryable)")))
+        why = "producer went away" if self._connected else "producer unreachable (no connection)"
         self.version = None
         self._connected = False
-        self._penalize(now, "producer went away")
+        self._penalize(now, why)
         return cmds
 
     def on_frame(self, data: bytes, now: float) -> list[Command]:
@@ -331,7 +335,7 @@ class ConsumerSession:
         self.blocked_until = now + self._backoff
         self.blocked_reason = why
         self._backoff = min(self._backoff * 2, self.config.peer_backoff_max_s)
-        self.version = None  # the next fetch after the backoff probes with Hello
+        self._probe_due = True  # the next fetch after the backoff probes with Hello first
         log.warning("producer %s quarantined for %.1f s: %s", self.conn,
                     self.blocked_until - now, why)
 
@@ -360,7 +364,7 @@ class ConsumerSession:
         return [Send(self.conn, encode(req))]
 
     def _on_welcome(self, msg: Welcome, now: float) -> list[Command]:
-        if msg.session_id != self.session_id or self.welcomed:
+        if msg.session_id != self.session_id or (self.welcomed and not self._probe_due):
             return []
         if msg.status is not Status.OK:
             reason = _NACK_REASON.get(msg.status, MissReason.INTERNAL)
@@ -369,7 +373,7 @@ class ConsumerSession:
             return self._fail_session(Miss("", MissReason.VERSION,
                                            f"producer chose version {msg.version} / plane {msg.plane!r}"))
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
-        self.blocked_until, self.blocked_reason = 0.0, ""
+        self.blocked_until, self.blocked_reason, self._probe_due = 0.0, "", False
         self._backoff = self.config.peer_backoff_s
         cmds: list[Command] = []
         for f in list(self._fetches.values()):

@@ -41,7 +41,7 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.protocol.codec import peek_ids
-from ectransport.session.commands import Command, Push, Revoke, Send
+from ectransport.session.commands import Command, Revoke, Send
 from ectransport.store import BlockStore, Run
 
 log = logging.getLogger("ectransport.session.producer")
@@ -60,7 +60,6 @@ class ProducerConfig:
         node_id: this node's name, sent in Welcome.
         compat_hash: see :func:`ectransport.protocol.compat_hash`.
         planes: data planes offered, best first.
-        push_planes: the subset of ``planes`` that push (the producer sends after granting).
         versions: protocol versions spoken.
         lease_s: pin lease of a grant [30 s, as vLLM's ECCPUConnector].
         budget_bytes: max bytes pinned per consumer identity; None = a quarter of the region.
@@ -69,7 +68,6 @@ class ProducerConfig:
     node_id: str
     compat_hash: str
     planes: tuple[str, ...] = ("nixl",)
-    push_planes: frozenset[str] = frozenset()
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     lease_s: float = 30.0
     budget_bytes: int | None = None
@@ -313,10 +311,7 @@ class ProducerSession:
         state.grants.add(key)
         self._pinned_by[state.identity] = used + pinned_bytes
         self.stats["grants"] += 1
-        cmds: list[Command] = [Send(peer, ack)]
-        if state.plane in cfg.push_planes:
-            cmds.append(Push(peer, msg.dest, entry.runs, entry.nbytes, notif_for(key)))
-        return cmds
+        return [Send(peer, ack)]
 
     # -- helpers -------------------------------------------------------------------------------
     def _release(self, key: tuple[str, str, int], why: str) -> list[Command]:

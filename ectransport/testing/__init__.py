@@ -1,5 +1,5 @@
-"""Test helpers for plane and plugin authors (front-end layer: imports pytest only when used).
+"""Test helpers for plane and plugin authors (front-end layer; needs pytest when used).
 
-* :mod:`ectransport.testing.conformance`: :class:`~ectransport.testing.conformance.PlaneConformance`,
-  the conformance suite every data plane (built-in or plugin) must pass.
+* :mod:`ectransport.testing.conformance`: ``PlaneConformance``, the conformance suite every data
+  plane (built-in or plugin) must pass.
 """

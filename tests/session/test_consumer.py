@@ -275,16 +275,25 @@ def test_peer_quarantine_fails_fast_then_probe_lifts_it():
     assert [type(x) for x in out] == [PostRead] and c.blocked_until == 0.0
 
 
-def test_peer_backoff_doubles_and_is_capped():
+def test_peer_backoff_doubles_and_is_capped_and_welcome_resets_it():
+    p, _ = make_producer()
     c = make_consumer(ack_timeout_s=1.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0)
+    connected(p, c)
     ends = []
     for t0 in (0.0, 10.0, 20.0, 30.0, 40.0):
-        c.version = 1  # pretend welcomed each time
-        c._connected = True
-        c.fetch("a", t0, t0 + 5.0)
+        c.fetch("a", t0, t0 + 5.0)  # the producer never answers: ack timeout at t0 + 1
         c.poll(t0 + 1.0)
         ends.append(round(c.blocked_until - (t0 + 1.0), 3))
-    assert ends == [1.0, 2.0, 4.0, 4.0, 4.0]
+        # the probe after the backoff: answered, so the next round is a fresh failure
+        pump(p, c, c.fetch_probe(t0 + 9.0), t0 + 9.0)
+        assert c.blocked_until == 0.0 or t0 == 40.0
+    assert ends == [1.0, 1.0, 1.0, 1.0, 1.0]  # each Welcome resets the backoff
+    c2 = make_consumer(ack_timeout_s=1.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0)
+    durations = []
+    for t in (0.0, 10.0, 20.0, 30.0, 40.0):  # consecutive failures without a Welcome
+        c2._penalize(t, "test")
+        durations.append(c2.blocked_until - t)
+    assert durations == [1.0, 2.0, 4.0, 4.0, 4.0]
 
 
 def test_nack_internal_quarantines_producer():

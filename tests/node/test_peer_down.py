@@ -1,0 +1,213 @@
+"""A consumer that goes away while holding a grant: the producer releases the pin on the
+control plane's peer-down event, long before the (60 s) lease would.
+
+ProducerNode does not expose the ZmqControlServer heartbeat settings, so the server runs with its
+defaults (ping every 2 s, drop after 4 s of silence): a closed or killed consumer is seen through
+the TCP close at once; a frozen one (SIGSTOP) through the missed heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ectransport.node import (
+    ConsumerNode,
+    Fetched,
+    Layout,
+    MissReason,
+    ProducerAddress,
+    ProducerNode,
+    Security,
+)
+from ectransport.protocol import Status
+from tests.node._ectp_raw import RawClient
+from tests.node.conftest import new_keypair, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT = Layout(hidden=256, dtype="bfloat16")
+ROWS = 50
+DATA = np.random.default_rng(5).integers(0, 256, (ROWS, LAYOUT.block_bytes), dtype=np.uint8)
+MM = "down-item"
+PIN_BYTES = ROWS * LAYOUT.block_bytes
+LEASE_S = 60.0
+DOWN_DEADLINE_S = 10.0
+
+
+def _producer(closing, security: Security) -> ProducerNode:
+    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=LEASE_S,
+                             security=security))
+    assert p.put(MM, DATA)
+    return p.start()
+
+
+def _assert_released_by_peer_down(p: ProducerNode, t0: float) -> float:
+    ok = wait_for(lambda: p.stats()["pinned_bytes"] == 0, DOWN_DEADLINE_S, 0.05)
+    took = time.monotonic() - t0
+    st = p.stats()
+    assert ok, f"pin still held {DOWN_DEADLINE_S}s after the consumer went away: {st}"
+    assert st["released_peer_down"] == 1 and st["expired"] == 0 and st["completed"] == 0, st
+    assert st["active_grants"] == 0
+    assert p.store.get(MM).pins == 0
+    assert p._control.peers == []
+    return took
+
+
+def _assert_serves(p: ProducerNode, closing, security: Security) -> None:
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=security))
+    out = c.fetch(ProducerAddress("127.0.0.1", p.port, p.public_key), MM, timeout_s=10.0)
+    assert isinstance(out, Fetched), out
+    assert np.array_equal(out.data, DATA.reshape(-1))
+    assert wait_for(lambda: p.stats()["pinned_bytes"] == 0, 3.0), p.stats()
+    assert p.stats()["completed"] == 1
+
+
+def _grant(raw: RawClient, p: ProducerNode):
+    assert raw.hello(LAYOUT.compat_hash).status is Status.OK
+    ack = raw.req(MM, LAYOUT.compat_hash)
+    assert ack.status is Status.OK and ack.grant.lease_s == LEASE_S, ack
+    st = p.stats()
+    assert st["pinned_bytes"] == PIN_BYTES and p.store.get(MM).pins == 1, st
+    return ack
+
+
+def test_closed_dealer_releases_pin_plain(closing):
+    p = _producer(closing, Security(insecure=True))
+    raw = RawClient("127.0.0.1", p.port)
+    try:
+        _grant(raw, p)
+        assert len(p._control.peers) == 1
+    finally:
+        t0 = time.monotonic()
+        raw.close()
+    took = _assert_released_by_peer_down(p, t0)
+    assert took < 5.0, f"TCP close took {took:.2f}s to be noticed"
+    _assert_serves(p, closing, Security(insecure=True))
+
+
+def test_closed_dealer_releases_pin_curve(closing):
+    pk, ck = new_keypair(), new_keypair()
+    p = _producer(closing, Security(public_key=pk.public, secret_key=pk.secret,
+                                    allow=lambda k: k == ck.public))
+    raw = RawClient("127.0.0.1", p.port, server_key=pk.public, public_key=ck.public,
+                    secret_key=ck.secret)
+    try:
+        _grant(raw, p)
+        assert [peer.user for peer in p._control.peers] == [ck.public]
+        assert p.session.pinned_bytes(ck.public) == PIN_BYTES  # budget identity = CURVE key
+    finally:
+        t0 = time.monotonic()
+        raw.close()
+    took = _assert_released_by_peer_down(p, t0)
+    assert took < 5.0, f"TCP close took {took:.2f}s to be noticed"
+    assert p.session.pinned_bytes(ck.public) == 0
+    _assert_serves(p, closing, Security(public_key=ck.public, secret_key=ck.secret))
+
+
+def _spawn_raw_client(p: ProducerNode) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.node._ectp_raw", "127.0.0.1", str(p.port), MM,
+         LAYOUT.compat_hash],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _read_grant(proc: subprocess.Popen, timeout_s: float = 20.0) -> dict:
+    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if r else ""
+    if not line:
+        proc.kill()
+        raise AssertionError(f"raw client child said nothing: {proc.communicate()[1][-2000:]}")
+    return json.loads(line)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    for s in (proc.stdout, proc.stderr):
+        s.close()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_consumer_process_dies_or_freezes_holding_a_grant(closing, how):
+    """SIGKILL: the kernel closes the socket. SIGSTOP: the socket stays open but the peer stops
+    answering ZMTP heartbeats, so only the server's heartbeat timeout can notice it."""
+    p = _producer(closing, Security(insecure=True))
+    proc = _spawn_raw_client(p)
+    try:
+        info = _read_grant(proc)
+        assert info["welcome"] == Status.OK and info["status"] == Status.OK, info
+        assert wait_for(lambda: p.stats()["pinned_bytes"] == PIN_BYTES, 2.0), p.stats()
+        assert p.store.get(MM).pins == 1
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        took = _assert_released_by_peer_down(p, t0)
+        assert took < (5.0 if how == "sigkill" else DOWN_DEADLINE_S), took
+    finally:
+        _kill(proc)
+    _assert_serves(p, closing, Security(insecure=True))
+
+
+def test_other_peers_grants_survive_one_peer_down(closing):
+    """Only the departed peer's pins are released; another consumer's grant stays pinned."""
+    p = _producer(closing, Security(insecure=True))
+    stay, leave = RawClient("127.0.0.1", p.port), RawClient("127.0.0.1", p.port)
+    try:
+        kept = _grant(stay, p)
+        assert leave.hello(LAYOUT.compat_hash).status is Status.OK
+        assert leave.req(MM, LAYOUT.compat_hash).status is Status.OK
+        assert p.stats()["pinned_bytes"] == 2 * PIN_BYTES and p.store.get(MM).pins == 2
+        leave.close()
+        assert wait_for(lambda: p.stats()["pinned_bytes"] == PIN_BYTES, DOWN_DEADLINE_S)
+        time.sleep(0.3)
+        st = p.stats()
+        assert st["pinned_bytes"] == PIN_BYTES and st["released_peer_down"] == 1, st
+        assert p.store.get(MM).pins == 1
+        stay.done(MM, kept.grant.grant_id)
+        assert wait_for(lambda: p.stats()["pinned_bytes"] == 0, 2.0)
+        assert p.store.get(MM).pins == 0 and p.stats()["completed"] == 1
+    finally:
+        stay.close()
+        leave.close()
+
+
+def test_consumer_recovers_after_producer_restart_on_same_port(closing):
+    """The producer goes away and a new one (new bytes, same port) comes back: the consumer's
+    fetches miss with a typed reason meanwhile, then succeed with the new producer's bytes."""
+    sec = Security(insecure=True)
+    p1 = _producer(closing, sec)
+    port = p1.port
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=sec))
+    addr = ProducerAddress("127.0.0.1", port)
+    out = c.fetch(addr, MM, timeout_s=10.0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, DATA.reshape(-1)), out
+    del out
+    p1.close()
+
+    new_data = DATA[::-1].copy()
+    p2 = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=LEASE_S, port=port,
+                              security=sec))
+    assert p2.put(MM, new_data)
+    p2.start()
+    misses = []
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        out = c.fetch(addr, MM, timeout_s=3.0)
+        if out.ok:
+            break
+        misses.append(out.reason)
+        time.sleep(0.2)
+    assert isinstance(out, Fetched), (out, misses)
+    assert np.array_equal(out.data, new_data.reshape(-1))
+    assert set(misses) <= {MissReason.QUARANTINED, MissReason.PEER_DOWN, MissReason.TIMEOUT}, misses
+    assert wait_for(lambda: p2.stats()["pinned_bytes"] == 0, 3.0), p2.stats()
