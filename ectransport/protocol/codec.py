@@ -73,7 +73,7 @@ def decode(
         raise FrameError(Status.NACK_BAD_REQUEST, f"frame of {len(data)} bytes exceeds {max_bytes}")
     try:
         env = _ENVELOPE.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise FrameError(Status.NACK_BAD_REQUEST, f"not an ECTP frame: {e}") from None
     body = _BODY.get(env.k)
     if body is None:
@@ -86,7 +86,7 @@ def decode(
         )
     try:
         return body.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise FrameError(Status.NACK_BAD_REQUEST, f"invalid {env.k!r} frame: {e}", env.k) from None
 
 
@@ -106,5 +106,5 @@ def peek_ids(data: bytes | memoryview) -> tuple[str, str]:
     try:
         ids = _IDS.decode(data)
         return ids.session_id[:128], ids.mm_hash[:256]
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return "", ""

@@ -48,6 +48,7 @@ from ectransport.protocol import (
     decode,
     encode,
 )
+from ectransport.protocol.messages import MAX_HASH_LEN
 from ectransport.session.commands import (
     Command,
     Landed,
@@ -159,7 +160,7 @@ class ConsumerSession:
         self._backoff = config.peer_backoff_s
         self._connected = False
         self._probe_due = False  # re-Hello before the next fetch (quarantine ended)
-        self._hello_deadline = now + config.hello_timeout_s
+        self._hello_deadline = float("inf")  # set while a Hello is unanswered
         self._next_renew = float("inf")
         self._fetches: dict[str, Fetch] = {}
         self._quarantine: dict[str, Fetch] = {}
@@ -184,7 +185,7 @@ class ConsumerSession:
 
     def next_deadline(self) -> float | None:
         ds = [f.deadline for f in (*self._fetches.values(), *self._quarantine.values())]
-        if self._fetches and not self.welcomed and self.failed is None:
+        if self._fetches and self.failed is None:
             ds.append(self._hello_deadline)
         if any(f.state is FetchState.READING for f in self._fetches.values()):
             ds.append(self._next_renew)
@@ -204,6 +205,9 @@ class ConsumerSession:
             return [Report(Miss(mm_hash, MissReason.QUARANTINED,
                                 f"producer quarantined for {self.blocked_until - now:.1f} s more "
                                 f"after: {self.blocked_reason}"))]
+        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
+            return [Report(Miss(mm_hash, MissReason.INTERNAL,
+                                f"mm_hash must be 1-{MAX_HASH_LEN} characters"))]
         if mm_hash in self._fetches or mm_hash in self._quarantine:
             return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
         cmds: list[Command] = []
@@ -229,16 +233,17 @@ class ConsumerSession:
         """The producer went away: waiting fetches miss (retryable), reading ones are quarantined,
         and the producer is quarantined."""
         cmds: list[Command] = []
+        was_connected, self._connected = self._connected, False  # no XferDone to a dead peer
         for f in list(self._fetches.values()):
             if f.state is FetchState.READING:
                 cmds += self._quarantine_fetch(f, now, MissReason.PEER_DOWN, "producer went away mid-read")
             else:
                 del self._fetches[f.mm_hash]
-                detail = "producer went away" if self._connected else "producer unreachable"
+                detail = "producer went away" if was_connected else "producer unreachable"
                 cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, detail + " (retryable)")))
-        why = "producer went away" if self._connected else "producer unreachable (no connection)"
+        why = "producer went away" if was_connected else "producer unreachable (no connection)"
         self.version = None
-        self._connected = False
+        self._hello_deadline = float("inf")  # the next Up sends Hello; queued fetches keep their deadlines
         self._penalize(now, why)
         return cmds
 
@@ -295,7 +300,8 @@ class ConsumerSession:
     def poll(self, now: float) -> list[Command]:
         """Apply deadlines (hello, ack, read → quarantine, quarantine → settle), retries, renewals."""
         cmds: list[Command] = []
-        if self._fetches and not self.welcomed and self.failed is None and now >= self._hello_deadline:
+        if self._fetches and self.failed is None and now >= self._hello_deadline:
+            self._hello_deadline = float("inf")  # one penalty per unanswered Hello
             self._penalize(now, "no Welcome in time")
             for f in [f for f in self._fetches.values() if f.state is FetchState.QUEUED]:
                 del self._fetches[f.mm_hash]
@@ -324,7 +330,7 @@ class ConsumerSession:
 
     # -- internals -----------------------------------------------------------------------------
     def _hello(self, now: float) -> list[Command]:
-        self._hello_deadline = now + self.config.hello_timeout_s
+        self._hello_deadline = now + self.config.hello_timeout_s  # inf again once answered
         hello = Hello(v=max(self.config.versions), session_id=self.session_id,
                       node_id=self.config.node_id, versions=list(self.config.versions),
                       planes=list(self.config.planes), compat_hash=self.config.compat_hash,
@@ -341,8 +347,10 @@ class ConsumerSession:
 
     def _expire(self, f: Fetch, now: float) -> list[Command]:
         final = now >= f.final_deadline
+        own = final and now < f.deadline  # the caller's deadline came first: not the producer's fault
         if f.state is FetchState.READING:
-            self._penalize(now, "read deadline passed")
+            if not own:
+                self._penalize(now, "read deadline passed")
             return self._quarantine_fetch(f, now, MissReason.TIMEOUT, "read deadline passed")
         if f.state is FetchState.BACKOFF and not final:
             return self._send_req(f, now)
@@ -351,7 +359,8 @@ class ConsumerSession:
             reason = _NACK_REASON.get(f.last_nack, MissReason.INTERNAL)
             return [Report(Miss(f.mm_hash, reason, f"still {f.last_nack.name} at the deadline"))]
         if f.state is FetchState.WAITING_ACK:
-            self._penalize(now, "no ack before the deadline")
+            if not own:
+                self._penalize(now, "no ack before the deadline")
             return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no ack before the deadline"))]
         return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "not connected before the deadline"))]
 
@@ -374,6 +383,7 @@ class ConsumerSession:
                                            f"producer chose version {msg.version} / plane {msg.plane!r}"))
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
         self.blocked_until, self.blocked_reason, self._probe_due = 0.0, "", False
+        self._hello_deadline = float("inf")
         self._backoff = self.config.peer_backoff_s
         cmds: list[Command] = []
         for f in list(self._fetches.values()):

@@ -1,0 +1,253 @@
+"""Fuzzing ``ProducerSession.on_frame`` (decode and dispatch) with random and mutated frames.
+
+A seeded ``random.Random`` generates the bulk (≥ 100,000 frames; hypothesis would be far too slow
+for that many) from several peers: mutations of valid frames (bit flips, truncation, splicing two
+frames, maps with the right keys and wrong types, huge lists and strings) plus pure random bytes. A
+smaller hypothesis test covers structured maps. Checked throughout: no exception escapes, every
+answer is a ``Send``/``Revoke``, no pin is ever taken for a peer that never completed a valid Hello,
+the store's invariants hold; afterwards a fresh, well-behaved peer still gets an OK grant.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ectransport.protocol import FrameError, Hello, Status, Welcome, XferAck, decode
+from ectransport.session import ProducerSession, Revoke, Send
+
+from .helpers import BLOCK, COMPAT, make_consumer, make_producer, put
+
+N_FRAMES = 100_000
+ENC = msgspec.msgpack.encode
+
+HELLO_SIDS = {"h0": "hello0", "h1": "hello1"}  # peers that say a proper Hello first
+STRANGERS = ("s0", "s1", "s2", "s3")  # peers that only ever send fuzz (which may say Hello)
+NEVER = ("n0", "n1")  # peers whose fuzz never contains a valid Hello: they must never be pinned for
+
+
+@pytest.fixture(autouse=True)
+def _quiet_session_logs():
+    log = logging.getLogger("ectransport.session")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    yield
+    log.setLevel(level)
+
+
+def base_frames(sid: str) -> list[dict]:
+    """One valid frame of each kind (as msgpack maps), for session ``sid``."""
+    return [
+        {"k": "hello", "v": 1, "session_id": sid, "node_id": "c", "versions": [1],
+         "planes": ["nixl"], "compat_hash": COMPAT, "mem_kinds": ["DRAM"]},
+        {"k": "req", "v": 1, "session_id": sid, "mm_hash": "a", "compat_hash": COMPAT, "dest": b""},
+        {"k": "req", "v": 1, "session_id": sid, "mm_hash": "b", "compat_hash": COMPAT, "dest": b""},
+        {"k": "req", "v": 1, "session_id": sid, "mm_hash": "nope", "compat_hash": COMPAT,
+         "dest": b""},
+        {"k": "done", "v": 1, "session_id": sid, "mm_hash": "a", "grant_id": 12345, "ok": True},
+        {"k": "renew", "v": 1, "session_id": sid, "grant_ids": [1, 2, 3], "extend_s": 3.0},
+        {"k": "welcome", "v": 1, "session_id": sid, "node_id": "p", "status": 0, "version": 1,
+         "plane": "nixl", "versions": [1], "planes": ["nixl"], "compat_hash": COMPAT, "detail": ""},
+        {"k": "ack", "v": 1, "session_id": sid, "mm_hash": "a", "status": 0, "grant": None,
+         "detail": ""},
+        {"k": "nack", "v": 1, "status": 7, "detail": "x"},
+    ]
+
+
+HUGE = [
+    list(range(70_000)), "s" * 300_000, b"\x00" * 300_000, {str(i): i for i in range(5000)},
+    [[1, 2]] * 5000, 2**64 - 1, -(2**63), float("nan"), float("inf"), -1.5e308,
+]
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    r = rng.randrange(14 if depth < 3 else 9)
+    if r == 0:
+        return rng.randrange(-(2**63), 2**64)
+    if r == 1:
+        return rng.choice((0, 1, -1, 2**63 - 1, 2**63, 1 << 16, 4096))
+    if r == 2:
+        return rng.random() * rng.choice((1, 1e9, -1e9))
+    if r == 3:
+        return "".join(chr(rng.randrange(0x20, 0x2FF)) for _ in range(rng.randrange(0, 20)))
+    if r == 4:
+        return rng.randbytes(rng.randrange(0, 20))
+    if r == 5:
+        return None
+    if r == 6:
+        return rng.random() < 0.5
+    if r == 7:
+        return rng.choice(("a", "", ":", "hello0", "hello1", COMPAT, "nixl", "1:hello0:a"))
+    if r == 8:
+        return rng.choice(HUGE) if rng.random() < 0.02 else ""
+    if r in (9, 10):
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
+    if r == 11:
+        return {(random_value(rng, 3) if rng.random() < 0.2 else f"f{i}"):
+                random_value(rng, depth + 1) for i in range(rng.randrange(0, 4))}
+    return rng.choice(base_frames("hello0"))  # a whole frame as a value
+
+
+def mutate(rng: random.Random, frames: list[dict], encoded: list[bytes]) -> bytes:
+    """One fuzz frame: a mutation of a valid frame, a structured map, or random bytes."""
+    op = rng.randrange(8)
+    if op == 0:  # bit flips
+        b = bytearray(rng.choice(encoded))
+        for _ in range(rng.randrange(1, 9)):
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+        return bytes(b)
+    if op == 1:  # truncation
+        b = rng.choice(encoded)
+        return b[:rng.randrange(len(b))]
+    if op == 2:  # splice two frames
+        a, b = rng.choice(encoded), rng.choice(encoded)
+        return a[:rng.randrange(len(a) + 1)] + b[rng.randrange(len(b) + 1):]
+    if op in (3, 4):  # right keys, wrong types (or right types and hostile values)
+        m = dict(rng.choice(frames))
+        for _ in range(rng.randrange(1, 4)):
+            m[rng.choice(list(m))] = random_value(rng)
+        if rng.random() < 0.1:
+            del m[rng.choice(list(m))]
+        if rng.random() < 0.1:
+            m["extra"] = random_value(rng)
+        try:
+            return ENC(m)
+        except (TypeError, OverflowError, msgspec.EncodeError):
+            return b"\x80"
+    if op == 5:  # field-swapped frames: keys of one kind with the tag of another
+        m = dict(rng.choice(frames))
+        m["k"] = rng.choice(("hello", "req", "done", "renew", "welcome", "ack", "nack", "zzz", 7))
+        return ENC(m)
+    if op == 6:  # byte-level: a valid frame with random bytes inserted
+        b = bytearray(rng.choice(encoded))
+        i = rng.randrange(len(b) + 1)
+        b[i:i] = rng.randbytes(rng.randrange(1, 6))
+        return bytes(b)
+    return rng.randbytes(rng.randrange(0, 64))  # pure random bytes
+
+
+def check(p: ProducerSession, helloed: set) -> None:
+    p.store.check_invariants()
+    per_entry: dict[int, int] = {}
+    for g in p._grants.values():
+        assert g.peer in helloed, f"pin taken for {g.peer!r}, which never completed a Hello"
+        per_entry[g.entry_id] = per_entry.get(g.entry_id, 0) + 1
+    for e in p.store.entries():
+        assert e.pins == per_entry.get(e.entry_id, 0)
+    assert all(v <= p.budget_bytes for v in p._pinned_by.values())
+
+
+def feed(p: ProducerSession, peer, data: bytes, now: float, user: str, helloed: set) -> None:
+    out = p.on_frame(peer, data, now, user=user)
+    for c in out:
+        assert isinstance(c, (Send, Revoke)), c
+        if isinstance(c, Send):
+            assert c.peer == peer
+            msg = decode(c.data, versions=(1,))  # every answer is itself a valid frame
+            if isinstance(msg, Welcome) and msg.status is Status.OK:
+                helloed.add(peer)
+
+
+def is_valid_hello(data: bytes) -> bool:
+    try:
+        return isinstance(decode(data, versions=(1,)), Hello)
+    except FrameError:
+        return False
+
+
+def fresh_peer_gets_a_grant(p: ProducerSession, now: float) -> None:
+    """A well-formed Hello + XferReq from a peer the fuzzer never used still gets an OK grant."""
+    frames = base_frames("freshsession")
+    (w,) = p.on_frame("fresh", ENC(frames[0]), now, user="fresh-key")
+    assert decode(w.data, versions=(1,)).status is Status.OK
+    (a,) = p.on_frame("fresh", ENC(frames[1]), now, user="fresh-key")
+    ack = decode(a.data, versions=(1,))
+    assert isinstance(ack, XferAck) and ack.status is Status.OK and ack.grant is not None, ack
+    assert p.store.get("a").pins >= 1
+
+
+def make_fuzz_producer():
+    p, store = make_producer(lease_s=5.0, budget_bytes=8 * BLOCK)
+    put(store, "a", 2)
+    put(store, "b", 5)
+    put(store, "nr", 1, ready=False)
+    return p
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_random_and_mutated_frames(seed):
+    rng = random.Random(seed)
+    p = make_fuzz_producer()
+    helloed: set = set()
+    frames = [f for sid in (*HELLO_SIDS.values(), "s0sess") for f in base_frames(sid)]
+    encoded = [ENC(f) for f in frames]
+    now = 0.0
+    for peer, sid in HELLO_SIDS.items():
+        feed(p, peer, ENC(base_frames(sid)[0]), now, f"key-{peer}", helloed)
+    assert helloed == set(HELLO_SIDS)
+    peers = [*HELLO_SIDS, *STRANGERS, *NEVER]
+    t0 = time.perf_counter()
+    for i in range(N_FRAMES):
+        peer = peers[i % len(peers)] if rng.random() < 0.7 else rng.choice(peers)
+        data = mutate(rng, frames, encoded)
+        if peer in NEVER and is_valid_hello(data):
+            continue
+        feed(p, peer, data, now, f"key-{peer}", helloed)
+        if i % 997 == 0:
+            check(p, helloed)
+            now += rng.random() * 2.0
+            p.poll(now)
+            if rng.random() < 0.05:  # a connection drops now and then
+                p.on_peer_down(rng.choice(peers), now)
+    elapsed = time.perf_counter() - t0
+    check(p, helloed)
+    assert not helloed & set(NEVER)
+    assert p.stats["bad_frames"] > N_FRAMES // 2  # the fuzz mostly hit the decoder's error paths
+    fresh_peer_gets_a_grant(p, now)
+    check(p, helloed | {"fresh"})
+    print(f"{N_FRAMES} frames in {elapsed:.1f} s; grants {p.stats['grants']}, "
+          f"helloed {sorted(map(str, helloed))}, nacks { {s.name: n for s, n in p.nacks.items()} }")
+
+
+_keys = st.sampled_from(("k", "v", "session_id", "mm_hash", "compat_hash", "dest", "grant_id",
+                         "ok", "grant_ids", "extend_s", "versions", "planes", "node_id",
+                         "mem_kinds", "status", "detail"))
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                     st.text(max_size=40), st.binary(max_size=40),
+                     st.sampled_from(("hello", "req", "done", "renew", "hello0", COMPAT, "a")))
+_values = st.one_of(_scalars, st.lists(_scalars, max_size=4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
+          database=None)
+@given(frames=st.lists(st.one_of(st.binary(max_size=80),
+                                 st.dictionaries(_keys, _values, max_size=12).map(ENC)),
+                       min_size=1, max_size=6),
+       peer=st.sampled_from(("h0", "s0")))
+def test_structured_maps(frames, peer):
+    p = make_fuzz_producer()
+    helloed: set = set()
+    feed(p, "h0", ENC(base_frames("hello0")[0]), 0.0, "key-h0", helloed)
+    for i, data in enumerate(frames):
+        feed(p, peer, data, float(i), f"key-{peer}", helloed)
+        check(p, helloed)
+    fresh_peer_gets_a_grant(p, 10.0)
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_deeply_nested_frame_is_a_bad_request(side):
+    data = b"\x81" + ENC("x") + b"\x91" * 1000 + b"\x00"  # {"x": [[[...[0]...]]]}, 1004 bytes
+    if side == "producer":
+        p = make_fuzz_producer()
+        (nack,) = p.on_frame("s0", data, 0.0)
+        assert decode(nack.data, versions=(1,)).status is Status.NACK_BAD_REQUEST
+    else:
+        c = make_consumer()
+        assert c.on_frame(data, 0.0) == []
