@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--key")
     ap.add_argument("--allow-dir")
     ap.add_argument("--insecure", action="store_true")
+    ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args(argv)
 
     from ectransport.node import Layout, ProducerNode, Security
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
         sec = Security.from_files(args.key, args.allow_dir)
     layout = Layout(hidden=args.hidden, dtype="bfloat16")
     node = ProducerNode(layout=layout, region_bytes=args.region_bytes, security=sec,
-                        lease_s=args.lease_s, node_id="producer-child")
+                        lease_s=args.lease_s, node_id="producer-child", port=args.port)
     names = []
     try:
         for spec in args.item:
