@@ -5,9 +5,9 @@ Importing this package is cheap; zmq/nixl are imported when a node is constructe
 """
 
 from ectransport.node.common import Layout, Security
-from ectransport.node.consumer import ConsumerNode, Fetched, ProducerAddress
+from ectransport.node.consumer import ConsumerNode, Fetched, Held, ProducerAddress
 from ectransport.node.producer import ProducerNode
 from ectransport.session import Miss, MissReason
 
-__all__ = ["ConsumerNode", "Fetched", "Layout", "Miss", "MissReason", "ProducerAddress",
+__all__ = ["ConsumerNode", "Fetched", "Held", "Layout", "Miss", "MissReason", "ProducerAddress",
            "ProducerNode", "Security"]

@@ -49,7 +49,7 @@ from ectransport.session import (
     Report,
     Send,
 )
-from ectransport.store import BlockStore, HostRegion
+from ectransport.store import BlockStore, HostRegion, Run
 
 log = logging.getLogger("ectransport.node.consumer")
 
@@ -103,6 +103,33 @@ class Fetched:
         return torch.from_numpy(self.data).view(dt).reshape(-1, self.layout.hidden)
 
 
+@dataclass(frozen=True)
+class Held:
+    """A fetched entry kept where it landed: READY and pinned in the consumer's region until
+    :meth:`ConsumerNode.release_held` (for callers that read the blocks themselves, e.g. another
+    process mapping the same ``/dev/shm`` region).
+
+    Attributes:
+        mm_hash: the fetched key.
+        runs: the landing blocks in the consumer's region, in payload order.
+        nbytes: payload size in bytes (the first ``nbytes`` bytes of ``runs``).
+        block_bytes: bytes per block of the region.
+        local_key / entry_id: the landing entry in the consumer's store (names the release).
+        plane / timings: as in :class:`Fetched`.
+    """
+
+    mm_hash: str
+    runs: tuple[Run, ...]
+    nbytes: int
+    block_bytes: int
+    local_key: str
+    entry_id: int
+    plane: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    ok = True
+
+
 Outcome = Fetched | Miss
 
 
@@ -117,6 +144,9 @@ class ConsumerNode:
         ack_timeout_s / read_timeout_s / quarantine_s: see :class:`ConsumerConfig`.
         fetch_timeout_s: default overall deadline of one fetch.
         versions: ECTP versions spoken (override only to emulate older/newer nodes).
+        region: land into this region instead of a private one (e.g. a ``/dev/shm`` region that
+            other processes read); its ``block_bytes`` must be ``layout.block_bytes``,
+            ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
     """
 
     def __init__(
@@ -132,15 +162,25 @@ class ConsumerNode:
         fetch_timeout_s: float = 30.0,
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+        region: HostRegion | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
 
         self.layout = layout
         self.node_id = node_id or f"consumer-{uuid.uuid4().hex[:8]}"
-        num_blocks = region_bytes // layout.block_bytes
-        if num_blocks < 1:
-            raise ConfigError(f"region_bytes {region_bytes} is smaller than one block ({layout.block_bytes} bytes)")
-        self.region = HostRegion(num_blocks, layout.block_bytes)
+        self._own_region = region is None
+        if region is not None:
+            if region.block_bytes != layout.block_bytes:
+                raise ConfigError(f"region blocks are {region.block_bytes} bytes, the layout's are "
+                                  f"{layout.block_bytes}; build the region with layout.block_bytes")
+            num_blocks = region.num_blocks
+        else:
+            num_blocks = region_bytes // layout.block_bytes
+            if num_blocks < 1:
+                raise ConfigError(f"region_bytes {region_bytes} is smaller than one block "
+                                  f"({layout.block_bytes} bytes)")
+            region = HostRegion(num_blocks, layout.block_bytes)
+        self.region = region
         self.store = BlockStore(num_blocks, layout.block_bytes)
         self.fetch_timeout_s = fetch_timeout_s
         self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
@@ -160,6 +200,7 @@ class ConsumerNode:
             raise
         self._sessions: dict[str, ConsumerSession] = {}
         self._waiters: dict[tuple[str, str], list[Future]] = {}
+        self._hold: weakref.WeakSet[Future] = weakref.WeakSet()  # futures of submit_held
         self._inbox: collections.deque = collections.deque()
         self._connecting: dict[str, list[tuple[Future, float]]] = {}
         self._stop = threading.Event()
@@ -175,6 +216,24 @@ class ConsumerNode:
         self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
         self._control.wake()
         return fut
+
+    def submit_held(self, producer: ProducerAddress, mm_hash: str, *,
+                    timeout_s: float | None = None) -> Future:
+        """Like :meth:`submit`, but the Future resolves to :class:`Held` (or :class:`Miss`): the
+        landed bytes stay in this node's region, pinned, until :meth:`release_held`."""
+        fut: Future = Future()
+        self._hold.add(fut)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
+        self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
+        self._control.wake()
+        return fut
+
+    def release_held(self, held: Held) -> None:
+        """Give back the blocks of a :class:`Held` (any thread; once per Held)."""
+        if self._stop.is_set():
+            return
+        self._inbox.append(("release_held", held.local_key, "", held.entry_id, None))
+        self._control.wake()
 
     def connect(self, producer: ProducerAddress, *, timeout_s: float = 5.0) -> str:
         """Connect, authenticate and negotiate with a producer now (fetches do this lazily).
@@ -258,6 +317,8 @@ class ConsumerNode:
             kind, producer, mm_hash, deadline, fut = self._inbox.popleft()
             if kind == "release":
                 self._release(producer, deadline)
+            elif kind == "release_held":
+                self._release_held(producer, deadline)
             elif kind == "fetch":
                 self._start(producer, mm_hash, deadline, fut, now)
             else:
@@ -371,6 +432,10 @@ class ConsumerNode:
                 self._report(s, c.outcome, now)
 
     def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
+        if isinstance(outcome, Landed) and any(
+                f in self._hold for f in self._waiters.get((s.conn, outcome.mm_hash), ())):
+            self._report_held(s, outcome, now)
+            return
         if isinstance(outcome, Landed):
             e = outcome.entry
             if len(e.runs) == 1:  # zero copy: hand out the landing blocks, pinned until released
@@ -392,6 +457,36 @@ class ConsumerNode:
         else:
             result = outcome
         self._resolve(s.conn, result)
+
+    def _report_held(self, s: ConsumerSession, outcome: Landed, now: float) -> None:
+        """Resolve the waiters of a landed fetch when at least one of them is a submit_held: one
+        pin per Held; plain waiters get a copy (the pinned blocks are not theirs to release)."""
+        e = outcome.entry
+        timings = dict(outcome.timings)
+        timings["total"] = timings.get("landed", 0.0) + (time.monotonic() - now)
+        copy: Fetched | None = None
+        for fut in self._waiters.pop((s.conn, outcome.mm_hash), []):
+            if fut.done():
+                continue
+            if fut in self._hold:
+                self.store.pin_if_ready(e.mm_hash)
+                fut.set_result(Held(outcome.mm_hash, e.runs, e.nbytes, self.store.block_bytes,
+                                    e.mm_hash, e.entry_id, outcome.plane, timings))
+            else:
+                if copy is None:
+                    copy = Fetched(outcome.mm_hash, self.region.read(e.runs, e.nbytes),
+                                   self.layout, outcome.plane, timings)
+                fut.set_result(copy)
+        entry = self.store.get(e.mm_hash)
+        if entry is not None and entry.entry_id == e.entry_id and entry.pins == 0:
+            self.store.discard(e.mm_hash)  # no Held was handed out after all
+
+    def _release_held(self, local_key: str, entry_id: int) -> None:
+        e = self.store.get(local_key)
+        if e is not None and e.entry_id == entry_id and e.pins > 0:
+            self.store.unpin(local_key, entry_id)
+            if e.pins == 0:
+                self.store.discard(local_key)
 
     def _release_later(self, local_key: str, entry_id: int) -> None:
         """Finalizer of a Fetched's buffer (any thread): return its blocks via the loop."""
@@ -423,7 +518,8 @@ class ConsumerNode:
         for p in self._planes.values():
             p.close()
         self._planes.clear()
-        self.region.close()
+        if self._own_region:
+            self.region.close()
 
 
 def _session_error(miss: Miss) -> ECTransportError:

@@ -12,6 +12,7 @@ and the data plane(s). ``put`` may be called from any thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,8 +23,8 @@ from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes
 from ectransport.protocol import SUPPORTED_VERSIONS
-from ectransport.session import ProducerConfig, ProducerSession, Push, Revoke, Send
-from ectransport.store import AllocFailed, BlockStore, HostRegion
+from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send
+from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
 
 log = logging.getLogger("ectransport.node.producer")
 
@@ -40,6 +41,9 @@ class ProducerNode:
         lease_s / budget_bytes: see :class:`ProducerConfig`.
         node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
         versions: ECTP versions spoken (override only to emulate older/newer nodes).
+        region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
+            other processes write into); its ``block_bytes`` must be ``layout.block_bytes``,
+            ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
 
     Raises:
         ConfigError: bad settings, port in use, missing keys.
@@ -59,15 +63,25 @@ class ProducerNode:
         budget_bytes: int | None = None,
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+        region: HostRegion | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlServer
 
         self.layout = layout
         self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
-        num_blocks = region_bytes // layout.block_bytes
-        if num_blocks < 1:
-            raise ConfigError(f"region_bytes {region_bytes} is smaller than one block ({layout.block_bytes} bytes)")
-        self.region = HostRegion(num_blocks, layout.block_bytes)
+        self._own_region = region is None
+        if region is not None:
+            if region.block_bytes != layout.block_bytes:
+                raise ConfigError(f"region blocks are {region.block_bytes} bytes, the layout's are "
+                                  f"{layout.block_bytes}; build the region with layout.block_bytes")
+            num_blocks = region.num_blocks
+        else:
+            num_blocks = region_bytes // layout.block_bytes
+            if num_blocks < 1:
+                raise ConfigError(f"region_bytes {region_bytes} is smaller than one block "
+                                  f"({layout.block_bytes} bytes)")
+            region = HostRegion(num_blocks, layout.block_bytes)
+        self.region = region
         self.store = BlockStore(num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
         self._control = None
@@ -88,16 +102,14 @@ class ProducerNode:
             self._close_resources()
             raise
         self.public_key = security.public_key
-        push = frozenset(n for n, p in self._planes.items() if p.capabilities.transfer_model.value == "push")
         self.session = ProducerSession(
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
-                           push_planes=push, lease_s=lease_s, budget_bytes=budget_bytes,
+                           lease_s=lease_s, budget_bytes=budget_bytes,
                            versions=tuple(versions)),
             self.store, {n: p.describe for n, p in self._planes.items()})
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._push_handles: list = []
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -147,6 +159,54 @@ class ProducerNode:
         with self._lock:
             self.store.mark_ready(mm_hash)
         return True
+
+    def reserve(self, mm_hash: str, nbytes: int) -> Entry | AllocFailed:
+        """First half of a two-step save: allocate a NOT_READY entry of ``nbytes`` bytes.
+
+        For writers that fill the blocks themselves (another process mapping the same region, a
+        device copy that completes later). Consumers asking meanwhile get NACK_NOT_READY (they
+        retry); a NOT_READY entry is never evicted. Finish with :meth:`commit` or :meth:`abort`.
+
+        Returns:
+            The entry (its ``runs`` say which blocks to fill, ``entry_id`` identifies this
+            allocation), or AllocFailed: ``"exists"`` if the mm_hash has an entry (ready or not),
+            ``"full"`` / ``"too_large"`` if the region cannot hold it (nothing was evicted).
+        """
+        with self._lock:
+            return self.store.alloc(mm_hash, nbytes)
+
+    def commit(self, mm_hash: str, entry_id: int) -> bool:
+        """Second half of a two-step save: the blocks of reservation ``entry_id`` hold the bytes;
+        the entry becomes READY (servable, evictable once unpinned).
+
+        Returns:
+            False if that reservation no longer exists (aborted, or already committed).
+        """
+        with self._lock:
+            e = self.store.get(mm_hash)
+            if e is None or e.entry_id != entry_id or e.ready:
+                return False
+            self.store.mark_ready(mm_hash)
+            return True
+
+    def abort(self, mm_hash: str, entry_id: int) -> bool:
+        """Give back the blocks of a reservation that will not be committed (the save failed).
+
+        Returns:
+            False if that reservation no longer exists or was already committed.
+        """
+        with self._lock:
+            e = self.store.get(mm_hash)
+            if e is None or e.entry_id != entry_id or e.ready:
+                return False
+            self.store.discard(mm_hash)
+            return True
+
+    def lookup(self, mm_hash: str) -> Entry | None:
+        """A snapshot of the entry for ``mm_hash`` (ready or not), or None."""
+        with self._lock:
+            e = self.store.get(mm_hash)
+            return None if e is None else dataclasses.replace(e)
 
     def reload_allow_list(self) -> None:
         """Re-read the allow-list directory now (``serve`` calls it on SIGHUP). New connections
@@ -207,9 +267,6 @@ class ProducerNode:
                         plane = self._planes.get(c.plane)
                         if plane is not None:
                             plane.revoke(c.plane_grant)
-                    elif isinstance(c, Push):
-                        plane = self._planes[self.session._peers[c.peer].plane]
-                        self._push_handles.append(plane.push(c.dest, c.runs, c.nbytes, c.notif))
             except ECTransportError:
                 log.exception("producer loop error (continuing)")
             except Exception:
@@ -235,4 +292,5 @@ class ProducerNode:
         for p in self._planes.values():
             p.close()
         self._planes.clear()
-        self.region.close()
+        if self._own_region:
+            self.region.close()

@@ -47,7 +47,14 @@ class HostRegion:
             finally:
                 os.close(fd)
             self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.buf[:: 4096] = 0  # pre-fault every page
+        if create:
+            self.buf[::4096] = 0  # pre-fault every page (the memory is new: nothing to keep)
+        elif self._mmap is not None:
+            # joining a live region: fault pages in without writing (other processes' entries)
+            try:
+                self._mmap.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+            except (OSError, ValueError):
+                pass  # older kernels: pages fault in on first use
         self.addr = int(self.buf.ctypes.data)
 
     def view(self, runs: tuple[Run, ...] | list[Run], nbytes: int) -> list[np.ndarray]:

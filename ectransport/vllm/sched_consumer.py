@@ -1,0 +1,319 @@
+"""Scheduler side of the consumer role: fetch what ``ec_transfer_params`` name, then load it.
+
+Per feature of a waiting request (``ensure_cache_available``), in order:
+
+1. already covered by computed tokens → nothing to do;
+2. this request already fell back for it → compute locally (once, never re-fetched for it);
+3. landed → admissible (``has_cache_item`` is true, the scheduler will load it);
+4. fetch in flight → defer the request, unless the fetch ended: landed → 3, miss → 2;
+5. no usable announcement (no params entry, no ``peer_host``) → compute locally;
+6. announced size or shape ≠ local layout, untrusted producer key, bad address → compute
+   locally without fetching;
+7. otherwise start a fetch (:meth:`ConsumerNode.submit_held`) and defer.
+
+Every fetch ends by its deadline (``fetch_timeout_s``) in landed or miss, so no request waits
+forever; a miss of any kind (missing, dead, incompatible, busy, timeout...) makes the feature
+compute locally. A feature that must compute locally but carries no media (an orchestrator
+replaced it by a reference to the remote encoding) cannot: its request is reported by
+``take_unavailable_requests`` and vLLM fails it, instead of the encoder failing the engine.
+
+A landed entry stays pinned in the shared region until every request that wanted it was
+scheduled or finished and every load of it was reported by all ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ectransport.node.common import Layout, Security
+from ectransport.node.consumer import ConsumerNode, Held, ProducerAddress
+from ectransport.vllm.metadata import LoadOrder
+from ectransport.vllm.region import RegionPart
+from ectransport.vllm.settings import Settings
+from ectransport.vllm.trust import ProducerKeys
+
+log = logging.getLogger("ectransport.vllm.consumer")
+
+_GRACE_S = 5.0  # the node resolves every fetch by its deadline; this only guards against a bug
+
+
+@dataclass
+class _Fetch:
+    future: Any
+    nbytes: int
+    give_up: float
+    waiters: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Landed:
+    held: Held
+    wanted: set[str] = field(default_factory=set)  # requests admitted but not yet scheduled
+    pins: int = 0  # loads dispatched and not yet reported by every rank
+
+
+@dataclass
+class _Load:
+    mm_hash: str
+    give_up: float
+    ranks: set[int] = field(default_factory=set)
+
+
+class ConsumerSide:
+    """Owns the :class:`ConsumerNode` landing into ``part`` of the shared region.
+
+    Args:
+        expected_load_reports: how many ranks report each load (all loading ranks).
+    """
+
+    def __init__(self, settings: Settings, layout: Layout, part: RegionPart, security: Security,
+                 node_id: str, expected_load_reports: int):
+        self.settings = settings
+        self.layout = layout
+        self.part = part
+        self.keys = ProducerKeys(settings)
+        self.expected_load_reports = max(1, expected_load_reports)
+        self.node = ConsumerNode(
+            layout=layout, security=security, planes=settings.planes,
+            ack_timeout_s=settings.ack_timeout_s, read_timeout_s=settings.read_timeout_s,
+            quarantine_s=settings.quarantine_s, fetch_timeout_s=settings.fetch_timeout_s,
+            node_id=node_id, versions=settings.versions, region=part)
+        self._fetches: dict[str, _Fetch] = {}
+        self._landed: dict[str, _Landed] = {}
+        self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally
+        self._unavailable: set[str] = set()  # requests to fail: local compute without media
+        self._queued: list[LoadOrder] = []
+        self._loads: dict[int, _Load] = {}
+        self._ids = itertools.count(1)
+        self.outcomes: Counter[str] = Counter()  # "landed", "local:<why>", "miss:<reason>"
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Fetches in flight or loads not yet reported by every rank."""
+        return bool(self._fetches or self._queued or self._loads)
+
+    def has(self, mm_hash: str) -> bool:
+        return mm_hash in self._landed
+
+    def computes_locally(self, request_id: str, mm_hash: str) -> bool:
+        return (request_id, mm_hash) in self._local
+
+    # -- admission -----------------------------------------------------------------------------
+    def admit(self, request: Any, num_computed_tokens: int, now: float) -> bool:
+        """``ensure_cache_available``: True when no feature of ``request`` waits for a fetch."""
+        params = getattr(request, "ec_transfer_params", None)
+        if not params or not isinstance(params, dict):
+            return True
+        rid = request.request_id
+        pending = False
+        for feature in request.mm_features or ():
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue
+            mm_hash = feature.identifier
+            if (rid, mm_hash) in self._local:
+                continue
+            f = self._fetches.get(mm_hash)
+            if f is not None:
+                f.waiters.add(rid)
+                if not self._settle(mm_hash, f, now):
+                    pending = True
+                    continue
+            if mm_hash in self._landed:
+                self._landed[mm_hash].wanted.add(rid)
+                continue
+            if (rid, mm_hash) in self._local:
+                continue
+            info = params.get(mm_hash)
+            if not isinstance(info, dict) or "peer_host" not in info:
+                continue  # not announced: the encoder runs here
+            if self._start(rid, mm_hash, feature, info, now):
+                pending = True
+        if not pending and any(
+                (rid, f.identifier) in self._local and getattr(f, "data", None) is None
+                and f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                for f in request.mm_features):
+            log.error("EC consumer: request %s needs a remote encoding it could not get and "
+                      "carries no media to compute it; vLLM fails the request", rid)
+            self._unavailable.add(rid)
+            return False
+        return not pending
+
+    def take_unavailable(self) -> set[str]:
+        """Requests to fail (see module docstring); each is returned once."""
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def _fall_back(self, rids: set[str] | list[str], mm_hash: str, why: str) -> None:
+        self.outcomes[why] += 1
+        for rid in rids:
+            self._local.add((rid, mm_hash))
+
+    def _start(self, rid: str, mm_hash: str, feature: Any, info: dict, now: float) -> bool:
+        rows = int(feature.mm_position.get_num_embeds())
+        nbytes = rows * self.layout.block_bytes
+        why = _check_announcement(info, nbytes, rows, self.layout)
+        key = None
+        if why is None:
+            key, why = self.keys.resolve(info.get("public_key"))
+            why = f"untrusted key: {why}" if why else None
+        if why is not None:
+            log.warning("EC consumer: computing %s locally without fetching: %s", mm_hash, why)
+            self._fall_back({rid}, mm_hash, "local:" + why.split(":")[0])
+            return False
+        addr = ProducerAddress(str(info["peer_host"]), int(info["peer_port"]), key)
+        future = self.node.submit_held(addr, mm_hash, timeout_s=self.settings.fetch_timeout_s)
+        self._fetches[mm_hash] = _Fetch(future, nbytes,
+                                        now + self.settings.fetch_timeout_s + _GRACE_S, {rid})
+        log.debug("EC consumer: fetching %s (%d bytes) from %s", mm_hash, nbytes, addr.key)
+        return True
+
+    def _settle(self, mm_hash: str, f: _Fetch, now: float) -> bool:
+        """Resolve a finished fetch (True) or leave it in flight (False)."""
+        if not f.future.done():
+            if now < f.give_up:
+                return False
+            del self._fetches[mm_hash]
+            f.future.add_done_callback(self._release_late)
+            self._fall_back(f.waiters, mm_hash, "miss:no_outcome")
+            log.error("EC consumer: fetch of %s has no outcome past its deadline", mm_hash)
+            return True
+        del self._fetches[mm_hash]
+        out = f.future.result()
+        if isinstance(out, Held):
+            if out.nbytes != f.nbytes:
+                self.node.release_held(out)
+                self._fall_back(f.waiters, mm_hash, "miss:size")
+                log.warning("EC consumer: producer sent %d bytes for %s, expected %d; computing "
+                            "locally", out.nbytes, mm_hash, f.nbytes)
+            else:
+                self.outcomes["landed"] += 1
+                self._landed[mm_hash] = _Landed(out, set(f.waiters))
+                log.debug("EC consumer: %s landed (%d bytes, %s)", mm_hash, out.nbytes, out.plane)
+        else:
+            self._fall_back(f.waiters, mm_hash, f"miss:{out.reason.value}")
+            log.info("EC consumer: fetch of %s missed (%s: %s); computing locally", mm_hash,
+                     out.reason.value, out.detail)
+        return True
+
+    def _release_late(self, future: Any) -> None:
+        out = future.result()
+        if isinstance(out, Held):
+            self.node.release_held(out)
+
+    # -- loads ---------------------------------------------------------------------------------
+    def on_alloc(self, request: Any, index: int, now: float) -> None:
+        """The scheduler loads ``request.mm_features[index]`` externally: pin it, queue a load."""
+        mm_hash = request.mm_features[index].identifier
+        landed = self._landed.get(mm_hash)
+        if landed is None or any(o.mm_hash == mm_hash for o in self._queued):
+            return
+        landed.wanted.discard(request.request_id)
+        landed.pins += 1
+        h = landed.held
+        tid = next(self._ids)
+        self._queued.append(LoadOrder(mm_hash, tid, tuple(self.part.spans(h.runs, h.nbytes)),
+                                      h.nbytes, (h.nbytes // self.layout.block_bytes,
+                                                 self.layout.hidden)))
+        self._loads[tid] = _Load(mm_hash, now + self.settings.load_timeout_s)
+
+    def take_orders(self, now: float) -> list[LoadOrder]:
+        """This step's load orders; also settles finished fetches and expired load pins."""
+        for mm_hash, f in list(self._fetches.items()):
+            self._settle(mm_hash, f, now)
+        for tid, load in list(self._loads.items()):
+            if now >= load.give_up:
+                log.warning("EC consumer: load %d of %s not reported by every rank within "
+                            "%.0f s; releasing it", tid, load.mm_hash,
+                            self.settings.load_timeout_s)
+                self._finish_load(tid)
+        for mm_hash in [m for m, x in self._landed.items() if not x.wanted and not x.pins]:
+            self._release(mm_hash)
+        orders, self._queued = self._queued, []
+        return orders
+
+    def on_reports(self, loaded: list[tuple[int, int]], failed: list[tuple[int, int, str]]) -> None:
+        """Apply the workers' load reports; the pin goes once every rank has reported."""
+        for tid, rank, why in failed:
+            log.error("EC consumer: rank %d could not load transfer %d: %s", rank, tid, why)
+        for tid, rank in [*loaded, *((t, r) for t, r, _ in failed)]:
+            load = self._loads.get(tid)
+            if load is None:
+                continue  # stale or replayed
+            load.ranks.add(rank)
+            if len(load.ranks) >= self.expected_load_reports:
+                self._finish_load(tid)
+
+    def _finish_load(self, tid: int) -> None:
+        load = self._loads.pop(tid)
+        landed = self._landed.get(load.mm_hash)
+        if landed is None:
+            return
+        landed.pins -= 1
+        if landed.pins == 0 and not landed.wanted:
+            self._release(load.mm_hash)
+
+    def _release(self, mm_hash: str) -> None:
+        landed = self._landed.pop(mm_hash)
+        self.node.release_held(landed.held)
+
+    # -- request end ---------------------------------------------------------------------------
+    def on_finished(self, request: Any) -> None:
+        rid = request.request_id
+        self._unavailable.discard(rid)
+        for feature in request.mm_features or ():
+            mm_hash = feature.identifier
+            self._local.discard((rid, mm_hash))
+            f = self._fetches.get(mm_hash)
+            if f is not None:
+                f.waiters.discard(rid)
+            landed = self._landed.get(mm_hash)
+            if landed is not None:
+                landed.wanted.discard(rid)
+                if not landed.wanted and not landed.pins:
+                    self._release(mm_hash)
+
+    def close(self) -> None:
+        self.node.close()  # in-flight fetches end as misses; the region goes with its owner
+        self._fetches.clear()
+        self._landed.clear()
+        self._loads.clear()
+        self._queued.clear()
+        self._local.clear()
+        self._unavailable.clear()
+
+
+def _check_announcement(info: dict, nbytes: int, rows: int, layout: Layout) -> str | None:
+    """Why an announcement cannot be fetched into this layout, or None."""
+    try:
+        port = int(info.get("peer_port"))
+        size = int(info.get("size_bytes"))
+    except (TypeError, ValueError):
+        return "announcement: peer_port / size_bytes are not integers"
+    if not isinstance(info.get("peer_host"), str) or not info["peer_host"] or \
+            not 0 < port < 65536:
+        return "announcement: bad peer_host / peer_port"
+    if size != nbytes:
+        return (f"size mismatch: announced {size} bytes, this model needs {nbytes} "
+                f"({rows} rows of {layout.hidden} {layout.dtype})")
+    shape = info.get("shape")
+    if shape is not None and _as_ints(shape) != [rows, layout.hidden]:
+        return f"size mismatch: announced shape {shape}, this model needs [{rows}, {layout.hidden}]"
+    dtype = info.get("dtype")
+    if dtype is not None and str(dtype).removeprefix("torch.") != layout.dtype:
+        return f"size mismatch: announced dtype {dtype}, this model uses {layout.dtype}"
+    return None
+
+
+def _as_ints(value: object) -> list[int] | None:
+    if not isinstance(value, (list, tuple)):
+        return None
+    try:
+        return [int(x) for x in value]
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,149 @@
+"""The scheduler-process delegate of :class:`~ectransport.vllm.ECTransportConnector`.
+
+It creates the shared region (:class:`~ectransport.vllm.region.SharedRegion`) and the node(s):
+a :class:`ProducerSide` for ``ec_producer``, a :class:`ConsumerSide` for ``ec_consumer``, both for
+``ec_both`` (the region is then split in two halves: served entries, fetched entries). Every
+method is a thin dispatch; the transfer logic lives in the nodes and sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ectransport.errors import ConfigError
+from ectransport.node.common import Layout, Security
+from ectransport.vllm.metadata import ECTransportMetadata, ECTransportWorkerMetadata
+from ectransport.vllm.region import SharedRegion, region_path
+from ectransport.vllm.sched_consumer import ConsumerSide
+from ectransport.vllm.sched_producer import ProducerSide
+from ectransport.vllm.settings import Settings
+
+log = logging.getLogger("ectransport.vllm.scheduler")
+
+
+def engine_key(vllm_config: Any) -> str:
+    """What names this engine's region: the EC engine id and the data-parallel rank."""
+    ec = vllm_config.ec_transfer_config
+    dp = getattr(vllm_config.parallel_config, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
+    return f"{ec.engine_id}-dp{dp}"
+
+
+def expected_load_reports(vllm_config: Any) -> int:
+    """Ranks whose load reports reach the scheduler: every TP × PCP rank under the
+    multiprocessing executor (vLLM aggregates all of them), one otherwise."""
+    pc = vllm_config.parallel_config
+    if getattr(pc, "distributed_executor_backend", None) != "mp":
+        return 1
+    return int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+
+
+def security_for(settings: Settings, producer: bool) -> Security:
+    if settings.insecure:
+        return Security(insecure=True)
+    return Security.from_files(settings.secret_key_file, settings.allow_dir if producer else None)
+
+
+class SchedulerDelegate:
+    """Scheduler-side state of one engine (see module docstring).
+
+    Raises:
+        ConfigError / PlaneUnavailable: region, keys, bind address or plane problems; nothing is
+            left behind (region file, sockets) when construction fails.
+    """
+
+    def __init__(self, vllm_config: Any, settings: Settings, layout: Layout, *, producer: bool,
+                 consumer: bool):
+        self.settings = settings
+        self.layout = layout
+        key = engine_key(vllm_config)
+        total = settings.region_bytes // layout.block_bytes
+        roles = int(producer) + int(consumer)
+        if total < roles:
+            raise ConfigError(f"region_bytes {settings.region_bytes} holds fewer blocks than "
+                              f"roles: one block is one row of {layout.hidden} {layout.dtype} "
+                              f"({layout.block_bytes} bytes)")
+        self.region = SharedRegion(region_path(settings.shm_dir, key), total, layout.block_bytes)
+        self.producer: ProducerSide | None = None
+        self.consumer: ConsumerSide | None = None
+        try:
+            first = 0
+            if producer:
+                n = total // 2 if consumer else total
+                self.producer = ProducerSide(settings, layout, self.region.part(0, n),
+                                             security_for(settings, True), f"ect-p-{key}")
+                first = n
+            if consumer:
+                self.consumer = ConsumerSide(settings, layout,
+                                             self.region.part(first, total - first),
+                                             security_for(settings, False), f"ect-c-{key}",
+                                             expected_load_reports(vllm_config))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- vLLM scheduler hooks ------------------------------------------------------------------
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.consumer is not None and self.consumer.has(identifier)
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        if self.consumer is None:
+            return True
+        return self.consumer.admit(request, num_computed_tokens, time.monotonic())
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        """Producer: reserve blocks for a feature the encoder computes here (ec_both does not
+        re-serve what it fetched). Consumer: pin a landed feature and queue its load."""
+        fetched = self.has_cache_item(request.mm_features[index].identifier)
+        if self.producer is not None and not fetched:
+            self.producer.on_alloc(request, index)
+        if self.consumer is not None:
+            self.consumer.on_alloc(request, index, time.monotonic())
+
+    def build_connector_meta(self, scheduler_output: Any) -> ECTransportMetadata:
+        now = time.monotonic()
+        meta = ECTransportMetadata(region_path=self.region.path, region_bytes=self.region.nbytes)
+        if self.producer is not None:
+            meta.saves, meta.drop_saves = self.producer.take_orders(now)
+        if self.consumer is not None:
+            meta.loads = self.consumer.take_orders(now)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "ec_connector_worker_meta", None)
+        if not isinstance(meta, ECTransportWorkerMetadata):
+            return
+        if self.producer is not None:
+            self.producer.on_reports(meta.saved, meta.save_failed)
+        if self.consumer is not None:
+            self.consumer.on_reports(meta.loaded, meta.load_failed)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self.consumer is not None:
+            self.consumer.on_finished(request)
+        if self.producer is None:
+            return False, None
+        return False, (self.producer.announce(request) or None)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self.consumer.take_unavailable() if self.consumer is not None else set()
+
+    def has_pending_push_work(self) -> bool:
+        return bool((self.producer is not None and self.producer.busy) or
+                    (self.consumer is not None and self.consumer.busy))
+
+    def shutdown(self) -> None:
+        """Close the nodes (in-flight fetches miss, grants are released), then remove the
+        region file. Idempotent."""
+        for side in (self.consumer, self.producer):
+            if side is not None:
+                try:
+                    side.close()
+                except Exception:  # noqa: BLE001 - shutdown goes on whatever one side does
+                    log.exception("EC connector: closing %s failed", type(side).__name__)
+        self.consumer = self.producer = None
+        if getattr(self, "region", None) is not None:
+            self.region.close()
