@@ -15,14 +15,18 @@ deadline in exactly one :class:`Fetched` or :class:`Miss`.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +142,8 @@ class ConsumerNode:
 
     Args:
         layout: must match the producers' (compatibility hash).
-        region_bytes: local landing region in bytes (entries are copied out after landing).
+        region_bytes: local landing region in bytes (fetched entries stay there, zero copy, until
+            their :class:`Fetched` is dropped).
         security: this node's CURVE key pair (producers' keys come with each ProducerAddress).
         planes: data planes this node can use, best first.
         ack_timeout_s / read_timeout_s / quarantine_s: see :class:`ConsumerConfig`.
@@ -147,6 +152,16 @@ class ConsumerNode:
         region: land into this region instead of a private one (e.g. a ``/dev/shm`` region that
             other processes read); its ``block_bytes`` must be ``layout.block_bytes``,
             ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
+        plane_options: plane name → keyword options for that plane's constructor.
+        control_options: keyword options for :class:`ZmqControlClient` (heartbeats,
+            ``handshake_timeout_s``, frame limits, reconnect intervals).
+        session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
+            ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
+            ``peer_backoff_max_s``).
+
+    Raises:
+        ConfigError: bad settings (unknown option names included).
+        PlaneUnavailable: a requested plane cannot run here.
     """
 
     def __init__(
@@ -163,6 +178,9 @@ class ConsumerNode:
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
         region: HostRegion | None = None,
+        plane_options: Mapping[str, Mapping[str, Any]] | None = None,
+        control_options: Mapping[str, Any] | None = None,
+        session_options: Mapping[str, Any] | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
 
@@ -183,18 +201,27 @@ class ConsumerNode:
         self.region = region
         self.store = BlockStore(num_blocks, layout.block_bytes)
         self.fetch_timeout_s = fetch_timeout_s
+        extra = dict(session_options or {})
+        allowed = {f.name for f in dataclasses.fields(ConsumerConfig)} - {
+            "node_id", "compat_hash", "planes", "versions", "ack_timeout_s", "read_timeout_s",
+            "quarantine_s"}
+        if unknown := sorted(set(extra) - allowed):
+            raise ConfigError(f"unknown session option(s) {unknown}; known: {sorted(allowed)}")
         self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
                                      planes=tuple(planes), ack_timeout_s=ack_timeout_s,
                                      read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
-                                     versions=tuple(versions))
+                                     versions=tuple(versions), **extra)
         self._planes: dict[str, DataTransport] = {}
         self._control = None
         try:
             for name in planes:
-                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region)
+                opts = dict((plane_options or {}).get(name, {}))
+                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region,
+                                                      **opts)
             self._control = ZmqControlClient(secret_key=security.secret_key,
                                              public_key=security.public_key,
-                                             insecure=security.insecure)
+                                             insecure=security.insecure,
+                                             **dict(control_options or {}))
         except BaseException:
             self._close_resources()
             raise
@@ -261,7 +288,7 @@ class ConsumerNode:
         fut = self.submit(producer, mm_hash, timeout_s=t)
         try:
             return fut.result(timeout=t + 5.0)
-        except TimeoutError:  # pragma: no cover - the loop guarantees an outcome
+        except concurrent.futures.TimeoutError:  # pragma: no cover - the loop guarantees an outcome
             return Miss(mm_hash, MissReason.TIMEOUT, "no outcome from the consumer loop")
 
     def plane_transports(self) -> dict[str, str]:
@@ -330,7 +357,12 @@ class ConsumerNode:
             if s is None:
                 continue
             if kind == "Received":
+                was = s.welcomed
                 self._execute(s, s.on_frame(ev.data, now), now)
+                if s.welcomed and not was:
+                    log.info("producer %s (%s): protocol v%s, data plane %s (%s)", conn,
+                             s.producer_id, s.version, s.plane,
+                             self._planes[s.plane].describe_transport())
             elif kind == "Up":
                 self._execute(s, s.on_up(now), now)
             elif kind == "AuthFailed":

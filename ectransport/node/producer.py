@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
 from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
@@ -27,6 +29,11 @@ from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send
 from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
 
 log = logging.getLogger("ectransport.node.producer")
+
+#: Planes that listen on a host address of their own (their ``host`` option defaults to the
+#: control plane's bind address unless that is a wildcard, where they need ``advertise_host``).
+_HOSTED_PLANES = frozenset({"tcp", "ucx"})
+_WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 
 class ProducerNode:
@@ -44,6 +51,11 @@ class ProducerNode:
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
             other processes write into); its ``block_bytes`` must be ``layout.block_bytes``,
             ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
+        plane_options: plane name → keyword options for that plane's constructor (``tcp`` and
+            ``ucx`` default their ``host`` to ``host`` unless it is a wildcard; then pass
+            ``advertise_host``).
+        control_options: keyword options for :class:`ZmqControlServer` (heartbeats, frame and
+            rate limits, ``handshake_timeout_s``).
 
     Raises:
         ConfigError: bad settings, port in use, missing keys.
@@ -64,6 +76,8 @@ class ProducerNode:
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
         region: HostRegion | None = None,
+        plane_options: Mapping[str, Mapping[str, Any]] | None = None,
+        control_options: Mapping[str, Any] | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlServer
 
@@ -88,7 +102,11 @@ class ProducerNode:
         self._allow = None
         try:
             for name in planes:
-                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region)
+                opts = dict((plane_options or {}).get(name, {}))
+                if name in _HOSTED_PLANES and host not in _WILDCARDS:
+                    opts.setdefault("host", host)  # serve the data plane where the control plane is
+                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region,
+                                                      **opts)
             allow = None
             if security.allow_dir or security.allow:
                 from ectransport.control.keys import AllowList
@@ -97,7 +115,7 @@ class ProducerNode:
             self._allow = allow
             self._control = ZmqControlServer(
                 host, port, secret_key=security.secret_key, public_key=security.public_key,
-                allow=allow, insecure=security.insecure)
+                allow=allow, insecure=security.insecure, **dict(control_options or {}))
         except BaseException:
             self._close_resources()
             raise
