@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from ectransport.cli.main import cli, friendly
+from ectransport.cli.main import cli, friendly, setup_logging
 from ectransport.errors import ConfigError
 
 # -- shared options ------------------------------------------------------------------------------
@@ -44,6 +46,43 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def config_option(fn):
+    return click.option("--config", "config_file", default=None,
+                        type=click.Path(path_type=Path),
+                        help="TOML settings file (overrides the group's --config; default "
+                             "$ECTRANSPORT_CONFIG). Flags typed here win over it and over "
+                             "ECTRANSPORT_SECTION__KEY variables.")(fn)
+
+
+#: flag parameter name → (setting, flag as typed); only flags given on the command line override.
+LAYOUT_FLAGS = {"hidden": ("layout.hidden", "--hidden"), "dtype": ("layout.dtype", "--dtype"),
+                "seed": ("layout.seed", "--seed"), "planes": ("node.planes", "--plane"),
+                "insecure": ("security.insecure", "--insecure")}
+
+
+def cli_settings(ctx: click.Context, config_file: Path | None, flag_map: dict,
+                 params: dict):
+    """The effective settings of a subcommand: defaults < file < environment < typed flags.
+
+    Also re-applies the logging settings (the file named here may set ``[log]``)."""
+    from ectransport.config import load_settings
+
+    root = ctx.find_root().obj or {}
+    if config_file is None:
+        config_file = root.get("config")
+    flags, names = {}, {}
+    for param, (setting, flag) in flag_map.items():
+        if ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
+            v = params[param]
+            flags[setting] = str(v) if isinstance(v, Path) else list(v) if isinstance(
+                v, tuple) else v
+            names[setting] = flag
+    loaded = load_settings(config_file, flags=flags, flag_names=names)
+    log = loaded.settings.log
+    setup_logging(root.get("log_level") or log.level, root.get("log_format") or log.format)
+    return loaded
+
+
 def planes_option(fn):
     return click.option("--plane", "planes", multiple=True, default=("nixl",), show_default=True,
                         help="Data plane(s) to offer/use, best first (repeat the option). "
@@ -65,8 +104,10 @@ def planes_option(fn):
               help="Plain ZMQ without CURVE (not recommended; for comparison only).")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file.")
+@config_option
+@click.pass_context
 @friendly
-def demo(images, hidden, dtype, seed, repeats, planes, insecure, json_out):
+def demo(ctx, images, hidden, dtype, seed, repeats, planes, insecure, json_out, config_file):
     """Run the main job end to end on this machine.
 
     A producer process encodes real images with a deterministic reference vision encoder
@@ -76,8 +117,19 @@ def demo(images, hidden, dtype, seed, repeats, planes, insecure, json_out):
     """
     from ectransport.cli.demo import run_demo
 
-    ok = run_demo(images=images, hidden=hidden, dtype=dtype, seed=seed, repeats=repeats,
-                  planes=tuple(planes), insecure=insecure, json_out=json_out)
+    loaded = cli_settings(ctx, config_file, {
+        **LAYOUT_FLAGS, "images": ("producer.images", "--images"),
+        "repeats": ("demo.repeats", "--repeats")}, locals())
+    s = loaded.settings
+    kwargs = s.consumer_node_kwargs()
+    kwargs.pop("planes")
+    ok = run_demo(images=Path(s.producer.images) if s.producer.images else None,
+                  hidden=s.layout.hidden, dtype=s.layout.dtype, seed=s.layout.seed,
+                  repeats=s.demo.repeats, planes=tuple(s.node.planes),
+                  insecure=s.security.insecure, json_out=json_out,
+                  config_file=loaded.file, node_kwargs=kwargs,
+                  start_timeout_s=s.demo.producer_start_timeout_s,
+                  stop_timeout_s=s.demo.producer_stop_timeout_s)
     raise SystemExit(0 if ok else 1)
 
 
@@ -108,16 +160,34 @@ def demo(images, hidden, dtype, seed, repeats, planes, insecure, json_out):
               help="Write a JSON description (endpoint, public key, items) here once serving.")
 @click.option("--progress-json", is_flag=True, hidden=True,
               help="Print one JSON line per encoded item (used by `demo`).")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="Expose Prometheus metrics at http://[metrics.host]:PORT/metrics (needs the "
+                   "`metrics` extra; 0 = any free port) [default: off, or [metrics] port].")
+@config_option
+@click.pass_context
 @friendly
-def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed, region_bytes,
-          lease_s, planes, ready_file, progress_json):
+def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed,
+          region_bytes, lease_s, planes, ready_file, progress_json, metrics_port, config_file):
     """Run a producer: encode images, hold the outputs, serve them until interrupted."""
     from ectransport.demo.images import load_images
     from ectransport.node.common import Security
     from ectransport.node.producer import ProducerNode
 
-    items = load_images(images)
-    encoder, layout = demo_layout(hidden, dtype, seed)
+    loaded = cli_settings(ctx, config_file, {
+        **LAYOUT_FLAGS, "host": ("producer.host", "--host"), "port": ("producer.port", "--port"),
+        "key_file": ("security.key_file", "--key"),
+        "allow_dir": ("security.allow_dir", "--allow-dir"),
+        "images": ("producer.images", "--images"),
+        "region_bytes": ("producer.region_bytes", "--region-bytes"),
+        "lease_s": ("producer.lease_s", "--lease-s"),
+        "metrics_port": ("metrics.port", "--metrics-port")}, locals())
+    s = loaded.settings
+    insecure, planes, region_bytes = s.security.insecure, tuple(s.node.planes), \
+        s.producer.region_bytes
+    key_file = Path(s.security.key_file) if s.security.key_file else None
+    allow_dir = Path(s.security.allow_dir) if s.security.allow_dir else None
+    items = load_images(Path(s.producer.images) if s.producer.images else None)
+    encoder, layout = demo_layout(s.layout.hidden, s.layout.dtype, s.layout.seed)
     if insecure:
         security = Security(insecure=True)
     elif key_file is None:
@@ -127,13 +197,19 @@ def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed
         if allow_dir is not None and not allow_dir.is_dir():
             raise ConfigError(f"--allow-dir {allow_dir} is not a directory")
         security = Security.from_files(str(key_file), str(allow_dir) if allow_dir else None)
-    node = ProducerNode(layout=layout, region_bytes=region_bytes, host=host, port=port,
-                        security=security, planes=tuple(planes), lease_s=lease_s)
+    node = ProducerNode(layout=layout, security=security, **s.producer_node_kwargs())
+    metrics = None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: node.reload_allow_list())
     try:
+        if s.metrics.port is not None:
+            from ectransport.metrics import Metrics
+
+            metrics = Metrics()
+            metrics.attach(node)
+            metrics_port = metrics.serve(s.metrics.port, s.metrics.host)
         node.start()
         described = []
         for i, item in enumerate(items):
@@ -153,6 +229,8 @@ def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed
         info = {"host": node.host, "port": node.port, "public_key": node.public_key,
                 "planes": list(planes), "transports": node.plane_transports(), "items": described,
                 "pid": os.getpid()}
+        if metrics is not None:
+            info["metrics_port"] = metrics_port
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(info))
@@ -164,10 +242,14 @@ def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed
                        f"(planes: {', '.join(planes)}; CURVE {'off' if insecure else 'on'})")
             if node.public_key:
                 click.echo(f"producer public key: {node.public_key}")
+            if metrics is not None:
+                click.echo(f"metrics: http://{s.metrics.host}:{metrics_port}/metrics")
             click.echo("press Ctrl-C to stop")
         while not stop.wait(0.5):
             pass
     finally:
+        if metrics is not None:
+            metrics.close()
         node.close()
 
 
@@ -188,16 +270,26 @@ def serve(host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed
               help="Deadline of each fetch, seconds.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Write each fetched entry to OUT/<mm_hash>.bin.")
+@config_option
+@click.pass_context
 @friendly
-def fetch(address, mm_hashes, server_key, key_file, insecure, hidden, dtype, seed, planes,
-          timeout_s, out):
+def fetch(ctx, address, mm_hashes, server_key, key_file, insecure, hidden, dtype, seed, planes,
+          timeout_s, out, config_file):
     """Fetch entries by mm_hash from a producer at ADDRESS (HOST:PORT)."""
     from ectransport.control.keys import load_public
     from ectransport.node.common import Layout, Security
     from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
+    loaded = cli_settings(ctx, config_file, {
+        **LAYOUT_FLAGS, "server_key": ("security.server_key", "--server-key"),
+        "key_file": ("security.key_file", "--key"),
+        "timeout_s": ("consumer.fetch_timeout_s", "--timeout-s")}, locals())
+    s = loaded.settings
+    insecure, server_key = s.security.insecure, s.security.server_key
+    key_file = Path(s.security.key_file) if s.security.key_file else None
+    timeout_s = s.consumer.fetch_timeout_s
     host, port = parse_address(address)
-    _, layout = demo_layout(hidden, dtype, seed)
+    _, layout = demo_layout(s.layout.hidden, s.layout.dtype, s.layout.seed)
     if insecure:
         security, pub = Security(insecure=True), None
     else:
@@ -208,10 +300,9 @@ def fetch(address, mm_hashes, server_key, key_file, insecure, hidden, dtype, see
         out.mkdir(parents=True, exist_ok=True)
     assert isinstance(layout, Layout)
     misses = 0
-    with ConsumerNode(layout=layout, security=security, planes=tuple(planes),
-                      fetch_timeout_s=timeout_s) as node:
+    with ConsumerNode(layout=layout, security=security, **s.consumer_node_kwargs()) as node:
         peer = ProducerAddress(host, port, pub)
-        plane = node.connect(peer, timeout_s=min(timeout_s, 10.0))  # typed, one-line errors
+        plane = node.connect(peer, timeout_s=min(timeout_s, s.consumer.connect_timeout_s))
         click.echo(f"connected to {host}:{port} (CURVE {'off' if insecure else 'on'}, plane {plane}: "
                    f"{node.plane_transports().get(plane, plane)})")
         for mm in mm_hashes:
@@ -302,3 +393,73 @@ def planes():
                       "yes" if caps.notifications else "no",
                       f"[green]yes[/green]: {why}" if ok else f"[red]no[/red]: {why}")
     Console().print(table)
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+@cli.group("config")
+def config_group():
+    """Settings: one TOML file, ECTRANSPORT_SECTION__KEY variables, flags (later wins)."""
+
+
+@config_group.command("show")
+@config_option
+@click.pass_context
+@friendly
+def config_show(ctx, config_file):
+    """Print the effective configuration as TOML: every timeout, budget, size and path with its
+    value, where it came from (default, file, env, flag) and its unit. Values of settings named
+    like secrets are redacted. The output is a valid config file."""
+    from ectransport.config import render
+
+    click.echo(render(cli_settings(ctx, config_file, {}, {})), nl=False)
+
+
+# -- doctor --------------------------------------------------------------------------------------
+
+
+@cli.command()
+@config_option
+@click.pass_context
+@friendly
+def doctor(ctx, config_file):
+    """Check this machine: python and package versions, CURVE in libzmq, each data plane (and
+    why not), UCX transports, /dev/shm, the memlock limit, the configured ports and key files.
+
+    Exits 1 when something required is missing: msgspec, pyzmq with CURVE, or every data plane.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from ectransport.config.doctor import FAIL, INFO, OK, run_checks
+
+    settings = cli_settings(ctx, config_file, {}, {}).settings
+    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
+    with console.status("checking", spinner="dots") if console.is_terminal else _nothing():
+        checks = run_checks(settings)
+    table = Table(title="ectransport doctor")
+    for col in ("check", "item", "status", "detail"):
+        table.add_column(col, overflow="fold")
+    colors = {OK: "green", INFO: "blue", FAIL: "red"}
+    group = None
+    for c in checks:
+        color = colors.get(c.status, "yellow")
+        req = " (required)" if c.required and c.status == FAIL else ""
+        table.add_row(c.group if c.group != group else "", c.name,
+                      f"[{color}]{c.status}[/{color}]{req}", c.detail)
+        group = c.group
+    console.print(table)
+    failed = [c for c in checks if c.failed]
+    if failed:
+        console.print(f"[red]missing:[/red] {', '.join(c.name for c in failed)}")
+        raise SystemExit(1)
+    console.print("everything required is here.")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -43,8 +43,14 @@ def _reader(stream, q: queue.Queue) -> None:
 
 
 def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats: int,
-             planes: tuple[str, ...], insecure: bool, json_out: Path | None) -> bool:
-    """Run the demo; returns True when every item was fetched and verified bit for bit."""
+             planes: tuple[str, ...], insecure: bool, json_out: Path | None,
+             config_file: Path | None = None, node_kwargs: dict | None = None,
+             start_timeout_s: float = PRODUCER_START_TIMEOUT_S,
+             stop_timeout_s: float = 15.0) -> bool:
+    """Run the demo; returns True when every item was fetched and verified bit for bit.
+
+    ``config_file`` is passed on to the producer (``serve --config``); ``node_kwargs`` are more
+    ``ConsumerNode`` arguments (timeouts, plane and control options from the settings)."""
     from ectransport.cli.commands import demo_layout
     from ectransport.control.keys import allow_key, generate_keypair
     from ectransport.demo.images import bundled_images_dir, load_images
@@ -64,6 +70,8 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
                "--seed", str(seed), "--region-bytes", str(1 << 30)]
         for p in planes:
             cmd += ["--plane", p]
+        if config_file is not None:
+            cmd += ["--config", str(Path(config_file).resolve())]
         if insecure:
             cmd.append("--insecure")
             security = Security(insecure=True)
@@ -77,23 +85,25 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
         errlog = open(tmpd / "producer.stderr", "w+")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, text=True)
         try:
-            info = _wait_ready(proc, errlog, len(items), console)
+            info = _wait_ready(proc, errlog, len(items), console, start_timeout_s)
             return _consume(console, info, items, encoder, layout, security, planes, repeats,
-                            insecure, proc.pid, json_out, ConsumerNode, ProducerAddress)
+                            insecure, proc.pid, json_out, ConsumerNode, ProducerAddress,
+                            node_kwargs or {})
         finally:
             proc.terminate()
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=stop_timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
             errlog.close()
 
 
-def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console) -> dict:
+def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console,
+                timeout_s: float = PRODUCER_START_TIMEOUT_S) -> dict:
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
-    deadline = time.monotonic() + PRODUCER_START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as progress:
@@ -116,11 +126,11 @@ def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console) -> dic
                 progress.update(task, completed=msg["encoded"])
             elif "ready" in msg:
                 return msg["ready"]
-    raise ConfigError(f"producer not ready within {PRODUCER_START_TIMEOUT_S:.0f} s")
+    raise ConfigError(f"producer not ready within {timeout_s:.0f} s")
 
 
 def _consume(console, info, items, encoder, layout, security, planes, repeats, insecure, pid,
-             json_out, ConsumerNode, ProducerAddress) -> bool:
+             json_out, ConsumerNode, ProducerAddress, node_kwargs=None) -> bool:
     addr = ProducerAddress(info["host"], info["port"], info.get("public_key"))
     console.print(f"producer: pid {pid} on {addr.host}:{addr.port}, "
                   f"CURVE {'OFF (--insecure)' if insecure else 'on, consumer key allow-listed'}, "
@@ -129,7 +139,8 @@ def _consume(console, info, items, encoder, layout, security, planes, repeats, i
     console.print(f"consumer: pid {__import__('os').getpid()}, {len(info['items'])} items x "
                   f"{repeats} fetches; recomputing each item locally to verify")
     rows, all_ok = [], True
-    with ConsumerNode(layout=layout, security=security, planes=planes) as node, Progress(
+    with ConsumerNode(layout=layout, security=security, planes=planes,
+                      **(node_kwargs or {})) as node, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=True,
             disable=not console.is_terminal) as progress:

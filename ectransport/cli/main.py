@@ -2,14 +2,18 @@
 
 Subcommands: ``demo`` (the main job: producer and consumer as two processes), ``serve`` and
 ``fetch`` (the two halves on different machines), ``keys`` (CURVE key management), ``planes``
-(installed data planes). Every expected failure prints one ``error:`` line and exits non-zero.
+(installed data planes), ``config show`` (the effective settings), ``doctor`` (what this machine
+offers). Every expected failure prints one ``error:`` line and exits non-zero.
+
+Settings come from defaults < ``--config FILE`` (TOML; default ``$ECTRANSPORT_CONFIG``) <
+``ECTRANSPORT_SECTION__KEY`` environment variables < the flags typed (see ``ectransport.config``).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -38,10 +42,19 @@ def friendly(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ectransport")
-@click.option("--log-level", default="WARNING", show_default=True,
+@click.option("--log-level", default=None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="Logging level for ectransport's own loggers.")
-def cli(log_level: str) -> None:
+              help="Logging level for ectransport's own loggers "
+                   "[default: WARNING, or [log] level].")
+@click.option("--log-format", default=None, type=click.Choice(["text", "json"]),
+              help="text, or one JSON object per line (with peer, session_id, mm_hash, grant_id) "
+                   "for log shippers [default: text, or [log] format].")
+@click.option("--config", "config_file", default=None, type=click.Path(path_type=Path),
+              help="TOML settings file for every subcommand (see `ectransport config show`); "
+                   "default $ECTRANSPORT_CONFIG.")
+@click.pass_context
+def cli(ctx: click.Context, log_level: str | None, log_format: str | None,
+        config_file: Path | None) -> None:
     """Move multimodal encoder-cache entries (vision/audio encoder outputs keyed by mm_hash)
     peer to peer between LLM-serving instances: a ZeroMQ control plane authenticated with
     CurveZMQ, and a data plane (NIXL by default).
@@ -49,14 +62,28 @@ def cli(log_level: str) -> None:
     Start with `ectransport demo`: it runs a producer and a consumer as two processes on this
     machine and shows each fetched item verified bit for bit against a local recompute.
     """
-    logging.basicConfig(level=getattr(logging, log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("nixl", "ucxx"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, log_level.upper())))
+    ctx.obj = {"config": config_file, "log_level": log_level.upper() if log_level else None,
+               "log_format": log_format}
+    level, fmt = log_level, log_format
+    if level is None or fmt is None:  # the file/environment may say; a broken file is reported
+        try:                          # by the subcommand that reads the settings
+            from ectransport.config import load_settings
+
+            log = load_settings(config_file).settings.log
+            level, fmt = level or log.level, fmt or log.format
+        except ECTransportError:
+            pass
+    setup_logging(level or "WARNING", fmt or "text")
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    from ectransport.metrics.logs import configure_logging
+
+    configure_logging(level, fmt)
 
 
 def main() -> None:
-    from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
+    from ectransport.cli import bench, commands  # noqa: F401  (registers the subcommands)
 
     cli(prog_name="ectransport")
 

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,6 +158,13 @@ class ConsumerNode:
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
             ``peer_backoff_max_s``).
+        observer: optional ``(event, fields) -> None`` for metrics and logs, called on the node's
+            I/O thread (keep it cheap; one that raises is logged and ignored): ``fetch`` once per
+            outcome (``outcome`` ok|miss, ``reason``, ``seconds`` since the fetch started,
+            ``transfer_s``, ``nbytes``, ``plane``, ``descriptors`` = landing runs, ``peer``,
+            ``session_id``, ``mm_hash`` (12 chars), ``grant_id``), and the session's
+            ``peer_quarantined`` / ``peer_lifted`` / ``transfer_quarantined``. More with
+            :meth:`add_observer`.
 
     Raises:
         ConfigError: bad settings (unknown option names included).
@@ -181,8 +188,13 @@ class ConsumerNode:
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
         session_options: Mapping[str, Any] | None = None,
+        observer: Callable[[str, dict[str, Any]], None] | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
+
+        self._observers: list[Callable[[str, dict[str, Any]], None]] = \
+            [observer] if observer is not None else []
+        self._started: dict[tuple[str, str], float] = {}  # (conn, mm_hash) -> fetch start
 
         self.layout = layout
         self.node_id = node_id or f"consumer-{uuid.uuid4().hex[:8]}"
@@ -294,6 +306,38 @@ class ConsumerNode:
     def plane_transports(self) -> dict[str, str]:
         return {n: p.describe_transport() for n, p in self._planes.items()}
 
+    def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
+        """Also tell ``observer`` what happens (see the ``observer`` argument); any thread."""
+        self._observers = [*self._observers, observer]
+
+    def stats(self) -> dict[str, int]:
+        """Gauges of this consumer (any thread): ``producers`` (sessions), ``in_flight`` fetches,
+        ``quarantined_peers`` (producers in their backoff now), ``quarantined_transfers`` (timed-
+        out reads whose landing blocks are held until the DMA can no longer land),
+        ``free_blocks`` of the landing region."""
+        from ectransport.session.consumer import FetchState
+
+        for _ in range(10):  # the loop thread mutates the sessions; retry a torn read
+            try:
+                sessions = list(self._sessions.values())
+                now = time.monotonic()
+                states = [st for s in sessions for st in s.fetch_states().values()]
+                return {"producers": len(sessions),
+                        "in_flight": sum(st is not FetchState.QUARANTINED for st in states),
+                        "quarantined_peers": sum(now < s.blocked_until for s in sessions),
+                        "quarantined_transfers": sum(st is FetchState.QUARANTINED for st in states),
+                        "free_blocks": self.store.free_blocks}
+            except RuntimeError:
+                time.sleep(0.001)
+        return {"producers": 0, "in_flight": 0, "quarantined_peers": 0,
+                "quarantined_transfers": 0, "free_blocks": self.store.free_blocks}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a metrics exporter reads: ``role`` ("consumer"), ``node_id``, ``stats`` (as
+        :meth:`stats`), ``planes`` (plane name → transport underneath)."""
+        return {"role": "consumer", "node_id": self.node_id, "stats": self.stats(),
+                "planes": self.plane_transports()}
+
     def close(self) -> None:
         """Stop; in-flight fetches end as misses, handles are released. Idempotent.
 
@@ -395,10 +439,13 @@ class ConsumerNode:
         waiters.append(fut)
         if len(waiters) > 1:  # the same fetch is already in flight: join it
             return
+        self._started[key] = now
         try:
             s = self._session_for(producer, now)
         except Exception as e:
-            self._resolve(producer.key, Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"))
+            miss = Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}")
+            self._observe_outcome(producer.key, "", miss, now)
+            self._resolve(producer.key, miss)
             return
         self._execute(s, s.fetch(mm_hash, now, deadline), now)
 
@@ -406,7 +453,7 @@ class ConsumerNode:
         s = self._sessions.get(producer.key)
         if s is None:
             conn = self._control.connect(producer.host, producer.port, producer.public_key)
-            s = ConsumerSession(self.config, conn, self.store, now)
+            s = ConsumerSession(self.config, conn, self.store, now, observer=self._observe)
             self._sessions[conn] = s
         return s
 
@@ -464,6 +511,7 @@ class ConsumerNode:
                 self._report(s, c.outcome, now)
 
     def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
+        self._observe_outcome(s.conn, s.session_id, outcome, now)
         if isinstance(outcome, Landed) and any(
                 f in self._hold for f in self._waiters.get((s.conn, outcome.mm_hash), ())):
             self._report_held(s, outcome, now)
@@ -552,6 +600,36 @@ class ConsumerNode:
         self._planes.clear()
         if self._own_region:
             self.region.close()
+
+
+    def _observe(self, event: str, fields: dict[str, Any]) -> None:
+        for obs in self._observers:
+            try:
+                obs(event, fields)
+            except Exception:
+                log.exception("observer failed on %s (ignored)", event)
+
+    def _observe_outcome(self, conn: str, session_id: str, outcome: Landed | Miss,
+                         now: float) -> None:
+        """One ``fetch`` event and one log line per outcome, with the transfer's identifiers."""
+        started = self._started.pop((conn, outcome.mm_hash), None)
+        if not self._observers and not log.isEnabledFor(logging.DEBUG):
+            return
+        fields: dict[str, Any] = {"peer": conn, "session_id": session_id,
+                                  "mm_hash": outcome.mm_hash[:12], "grant_id": -1,
+                                  "seconds": (now - started) if started is not None else None}
+        if isinstance(outcome, Landed):
+            t = outcome.timings
+            fields.update(grant_id=outcome.grant_id, outcome="ok", reason="", plane=outcome.plane,
+                          nbytes=outcome.entry.nbytes, descriptors=len(outcome.entry.runs),
+                          transfer_s=(t["landed"] - t.get("posted", t.get("ack", 0.0)))
+                          if "landed" in t else None)
+            log.debug("fetched %d bytes in %d runs via %s", outcome.entry.nbytes,
+                      len(outcome.entry.runs), outcome.plane, extra=fields)
+        else:
+            fields.update(outcome="miss", reason=outcome.reason.value, detail=outcome.detail)
+            log.debug("miss: %s: %s", outcome.reason.value, outcome.detail, extra=fields)
+        self._observe("fetch", fields)
 
 
 def _session_error(miss: Miss) -> ECTransportError:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ectransport.data.base import DataTransport
@@ -56,6 +56,10 @@ class ProducerNode:
             ``advertise_host``).
         control_options: keyword options for :class:`ZmqControlServer` (heartbeats, frame and
             rate limits, ``handshake_timeout_s``).
+        observer: optional ``(event, fields) -> None`` told what happens, for metrics and logs
+            (see :class:`ProducerSession`: ``grant_issued``, ``grant_ended``, ``nack_sent``,
+            ``lease_expired``). Called on the node's I/O thread under its lock: keep it cheap;
+            an observer that raises is logged and ignored. More with :meth:`add_observer`.
 
     Raises:
         ConfigError: bad settings, port in use, missing keys.
@@ -78,8 +82,12 @@ class ProducerNode:
         region: HostRegion | None = None,
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
+        observer: Callable[[str, dict[str, Any]], None] | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlServer
+
+        self._observers: list[Callable[[str, dict[str, Any]], None]] = \
+            [observer] if observer is not None else []
 
         self.layout = layout
         self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
@@ -124,7 +132,7 @@ class ProducerNode:
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes,
                            versions=tuple(versions)),
-            self.store, {n: p.describe for n, p in self._planes.items()})
+            self.store, {n: p.describe for n, p in self._planes.items()}, observer=self._observe)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -238,6 +246,32 @@ class ProducerNode:
                     "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
                     "free_blocks": self.store.free_blocks}
 
+    def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
+        """Also tell ``observer`` what happens (see the ``observer`` argument)."""
+        with self._lock:
+            self._observers.append(observer)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a metrics exporter reads, in one consistent copy (any thread).
+
+        Keys: ``role`` ("producer"), ``node_id``, ``stats`` (as :meth:`stats`), ``nacks`` (status
+        name → NACKs sent), ``pinned_by_peer`` (consumer identity → pinned bytes), ``control``
+        (``reject_count``, ``handshake_failures``, ``rate_dropped``, ``malformed_dropped``),
+        ``planes`` (plane name → transport underneath), ``region_bytes``.
+        """
+        with self._lock:
+            stats = {**self.session.stats, "active_grants": self.session.active_grants,
+                     "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
+                     "free_blocks": self.store.free_blocks}
+            nacks = {st.name: n for st, n in self.session.nacks.items()}
+            pinned = self.session.pinned_by_identity()
+        c = self._control
+        control = {k: int(getattr(c, k, 0) or 0) for k in
+                   ("reject_count", "handshake_failures", "rate_dropped", "malformed_dropped")}
+        return {"role": "producer", "node_id": self.node_id, "stats": stats, "nacks": nacks,
+                "pinned_by_peer": pinned, "control": control, "planes": self.plane_transports(),
+                "region_bytes": self.store.region_bytes}
+
     def close(self) -> None:
         """Stop serving, release every grant, close planes and sockets. Idempotent."""
         self._stop.set()
@@ -290,6 +324,13 @@ class ProducerNode:
             except Exception:
                 log.exception("unexpected producer loop error (continuing)")
                 time.sleep(0.01)
+
+    def _observe(self, event: str, fields: dict[str, Any]) -> None:
+        for obs in self._observers:
+            try:
+                obs(event, fields)
+            except Exception:
+                log.exception("observer failed on %s (ignored)", event)
 
     def _check_tensor(self, tensor: object) -> None:
         """Accept ``[num_tokens, hidden]`` of the layout dtype, or raw uint8 rows of block_bytes."""

@@ -82,6 +82,7 @@ class Landed:
     entry: Entry
     plane: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    grant_id: int = -1  #: the producer's grant that moved the bytes (for logs and metrics)
 
     ok = True
 

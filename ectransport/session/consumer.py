@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,10 +144,15 @@ class ConsumerSession:
         store: the consumer's block store (local blocks for landed entries).
         now: creation time; the Hello deadline starts here.
         session_id: fixed id for tests; default a fresh UUID4 hex.
+        observer: optional ``(event, fields) -> None`` for metrics and logs (called synchronously,
+            must be cheap): ``peer_quarantined`` (``seconds``, ``why``), ``peer_lifted`` (a
+            Welcome ended a quarantine), ``transfer_quarantined`` (``mm_hash``, ``grant_id``);
+            fields carry ``peer`` (the connection) and ``session_id``.
     """
 
     def __init__(self, config: ConsumerConfig, conn: str, store: BlockStore, now: float,
-                 *, session_id: str | None = None):
+                 *, session_id: str | None = None,
+                 observer: Callable[[str, dict[str, Any]], None] | None = None):
         self.config = config
         self.conn = conn
         self.store = store
@@ -165,6 +171,7 @@ class ConsumerSession:
         self._fetches: dict[str, Fetch] = {}
         self._quarantine: dict[str, Fetch] = {}
         self._seq = 0
+        self.observer = observer
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -294,7 +301,8 @@ class ConsumerSession:
             f.timings["landed"] = now
             self._backoff = self.config.peer_backoff_s
             return self._finish(f, Landed(f.mm_hash, f.entry, self.plane or "",
-                                          {k: v - f.started for k, v in f.timings.items()}), ok=True)
+                                          {k: v - f.started for k, v in f.timings.items()},
+                                          f.grant_id), ok=True)
         return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, "data-plane transfer failed"), ok=False)
 
     def poll(self, now: float) -> list[Command]:
@@ -343,7 +351,9 @@ class ConsumerSession:
         self._backoff = min(self._backoff * 2, self.config.peer_backoff_max_s)
         self._probe_due = True  # the next fetch after the backoff probes with Hello first
         log.warning("producer %s quarantined for %.1f s: %s", self.conn,
-                    self.blocked_until - now, why)
+                    self.blocked_until - now, why,
+                    extra={"peer": self.conn, "session_id": self.session_id})
+        self._emit("peer_quarantined", seconds=self.blocked_until - now, why=why)
 
     def _expire(self, f: Fetch, now: float) -> list[Command]:
         final = now >= f.final_deadline
@@ -382,6 +392,8 @@ class ConsumerSession:
             return self._fail_session(Miss("", MissReason.VERSION,
                                            f"producer chose version {msg.version} / plane {msg.plane!r}"))
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
+        if self.blocked_until:
+            self._emit("peer_lifted")
         self.blocked_until, self.blocked_reason, self._probe_due = 0.0, "", False
         self._hello_deadline = float("inf")
         self._backoff = self.config.peer_backoff_s
@@ -467,6 +479,11 @@ class ConsumerSession:
             return cmds
         f.state = FetchState.QUARANTINED
         f.deadline = now + self.config.quarantine_s
+        log.info("transfer quarantined for %.0f s: %s", self.config.quarantine_s, detail,
+                    extra={"peer": self.conn, "session_id": self.session_id,
+                           "mm_hash": f.mm_hash[:12], "grant_id": f.grant_id})
+        self._emit("transfer_quarantined", mm_hash=f.mm_hash[:12], grant_id=f.grant_id,
+                   reason=reason.value)
         self._quarantine[f.mm_hash] = f
         if f.grant_id >= 0 and self._connected:
             cmds.append(self._done(f.mm_hash, f.grant_id, ok=False))
@@ -481,6 +498,10 @@ class ConsumerSession:
         if q.entry is not None:
             self.store.discard(q.entry.mm_hash)
         return cmds
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.observer is not None:
+            self.observer(event, {"peer": self.conn, "session_id": self.session_id, **fields})
 
     def _fail_session(self, miss: Miss, terminal: bool = True) -> list[Command]:
         if terminal:

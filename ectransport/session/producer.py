@@ -96,6 +96,7 @@ class _Grant:
     ack: bytes
     plane: str
     plane_grant: bytes
+    issued: float = 0.0  # when the grant was issued (observability only)
 
 
 class ProducerSession:
@@ -106,6 +107,11 @@ class ProducerSession:
         store: the producer's block store (shared with the node, which serialises access).
         describers: plane name → function giving the ``plane_grant`` for a list of runs.
         rng: source of grant ids (default: the OS CSPRNG; tests pass a seeded Random).
+        observer: optional ``(event, fields) -> None`` told what happened, for metrics and logs
+            (called synchronously; must be cheap and must not call back into the session):
+            ``grant_issued`` / ``grant_ended`` (``why``: completed, expired, released_peer_down;
+            ``held_s``) / ``nack_sent`` (``status``) / ``lease_expired``; fields carry ``peer``,
+            ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``, ``plane`` where known.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class ProducerSession:
         describers: dict[str, Describe],
         *,
         rng: random.Random | None = None,
+        observer: Callable[[str, dict[str, Any]], None] | None = None,
     ):
         self.config = config
         self.store = store
@@ -133,6 +140,8 @@ class ProducerSession:
             "bad_frames": 0, "late_signals": 0,
         }
         self.nacks: dict[Status, int] = {}
+        self.observer = observer
+        self._now: float | None = None  # latest event time seen (observability only)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -144,12 +153,17 @@ class ProducerSession:
             return sum(self._pinned_by.values())
         return self._pinned_by.get(identity, 0)
 
+    def pinned_by_identity(self) -> dict[str, int]:
+        """Pinned bytes per consumer identity (CURVE key, else session id); a copy."""
+        return dict(self._pinned_by)
+
     def grant_keys(self) -> list[tuple[str, str, int]]:
         return list(self._grants)
 
     # -- events --------------------------------------------------------------------------------
     def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Command]:
         """A frame from ``peer`` (``user`` = its authenticated identity, "" if none)."""
+        self._now = now
         state = self._peers.get(peer)
         versions = (state.version,) if state else self.config.versions
         try:
@@ -180,6 +194,7 @@ class ProducerSession:
 
     def on_notification(self, notif: bytes, now: float) -> list[Command]:
         """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
+        self._now = now
         key = parse_notif(notif)
         return self._release(key, "completed") if key is not None else []
 
@@ -196,9 +211,15 @@ class ProducerSession:
 
     def poll(self, now: float) -> list[Command]:
         """Sweep every lease; unpin expired grants exactly once."""
+        self._now = now
         cmds: list[Command] = []
         for key in [k for k, g in self._grants.items() if g.deadline <= now]:
-            log.warning("lease expired: session=%s mm_hash=%s grant=%d", key[0][:8], key[1][:12], key[2])
+            g = self._grants[key]
+            fields = {"peer": g.identity, "session_id": key[0], "mm_hash": key[1][:12],
+                      "grant_id": key[2]}
+            log.warning("lease expired: session=%s mm_hash=%s grant=%d", key[0][:8], key[1][:12],
+                        key[2], extra=fields)
+            self._emit("lease_expired", fields, nbytes=g.nbytes, plane=g.plane)
             cmds += self._release(key, "expired")
         return cmds
 
@@ -216,6 +237,9 @@ class ProducerSession:
         def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "") -> Send:
             if status is not Status.OK:
                 self.nacks[status] = self.nacks.get(status, 0) + 1
+                self._emit("nack_sent", {"peer": user or msg.session_id,
+                                         "session_id": msg.session_id, "mm_hash": "",
+                                         "grant_id": -1}, status=status.name, detail=detail)
             return Send(peer, encode(Welcome(
                 v=max(cfg.versions), session_id=msg.session_id, node_id=cfg.node_id,
                 status=status, version=version, plane=plane, versions=list(cfg.versions),
@@ -262,6 +286,9 @@ class ProducerSession:
 
         def nack(status: Status, detail: str) -> list[Command]:
             self.nacks[status] = self.nacks.get(status, 0) + 1
+            self._emit("nack_sent", {"peer": state.identity if state else str(peer),
+                                     "session_id": msg.session_id, "mm_hash": msg.mm_hash[:12],
+                                     "grant_id": -1}, status=status.name, detail=detail)
             ack = XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash, status=status,
                           grant=None, detail=detail)
             return [Send(peer, encode(ack))]
@@ -306,11 +333,17 @@ class ProducerSession:
                              status=Status.OK, grant=grant, detail=""))
         self._grants[key] = _Grant(key, peer, state.identity, entry.entry_id, entry.runs,
                                    entry.nbytes, pinned_bytes, now + cfg.lease_s, ack,
-                                   state.plane, plane_grant)
+                                   state.plane, plane_grant, now)
         self._live[key[:2]] = gid
         state.grants.add(key)
         self._pinned_by[state.identity] = used + pinned_bytes
         self.stats["grants"] += 1
+        fields = {"peer": state.identity, "session_id": msg.session_id,
+                  "mm_hash": msg.mm_hash[:12], "grant_id": gid}
+        log.debug("grant issued: %d bytes in %d runs over %s", entry.nbytes, len(entry.runs),
+                  state.plane, extra=fields)
+        self._emit("grant_issued", fields, nbytes=entry.nbytes, plane=state.plane,
+                   descriptors=len(entry.runs))
         return [Send(peer, ack)]
 
     # -- helpers -------------------------------------------------------------------------------
@@ -331,7 +364,18 @@ class ProducerSession:
             self._pinned_by.pop(g.identity, None)
         self.store.unpin(key[1], g.entry_id)
         self.stats[why] += 1
+        if self.observer is not None or log.isEnabledFor(logging.DEBUG):
+            fields = {"peer": g.identity, "session_id": key[0], "mm_hash": key[1][:12],
+                      "grant_id": key[2]}
+            held_s = max(0.0, self._now - g.issued) if self._now is not None else None
+            log.debug("grant ended: %s", why, extra=fields)
+            self._emit("grant_ended", fields, why=why, nbytes=g.nbytes, plane=g.plane,
+                       held_s=held_s)
         return [Revoke(g.plane, g.plane_grant)]
+
+    def _emit(self, event: str, fields: dict[str, Any], **more: Any) -> None:
+        if self.observer is not None:
+            self.observer(event, {**fields, **more})
 
     def _version_for(self, peer: Any) -> int:
         state = self._peers.get(peer)

@@ -1,0 +1,14 @@
+"""One typed settings object for ectransport (a front end, like the CLI).
+
+    from ectransport.config import load_settings
+    loaded = load_settings("ectransport.toml")          # file < ECTRANSPORT_… env < flags
+    node = ProducerNode(layout=..., security=..., **loaded.settings.producer_node_kwargs())
+
+See ``docs/configuration.md`` and ``ectransport config show``.
+"""
+
+from ectransport.config.load import CONFIG_ENV, LEAVES, Loaded, load_settings
+from ectransport.config.settings import Settings
+from ectransport.config.show import redact, render
+
+__all__ = ["CONFIG_ENV", "LEAVES", "Loaded", "Settings", "load_settings", "redact", "render"]
