@@ -57,6 +57,9 @@ from ectransport.store import BlockStore, HostRegion, Run
 
 log = logging.getLogger("ectransport.node.consumer")
 
+#: How long the I/O loop sleeps between checks of in-flight transfers, seconds.
+_BUSY_SLEEP_S = 50e-6
+
 
 @dataclass(frozen=True)
 class ProducerAddress:
@@ -249,7 +252,11 @@ class ConsumerNode:
     # -- public API ----------------------------------------------------------------------------
     def submit(self, producer: ProducerAddress, mm_hash: str, *,
                timeout_s: float | None = None) -> Future:
-        """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss` by the deadline."""
+        """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss` by the deadline.
+
+        The Future holds its result: a :class:`Fetched` keeps its landing blocks until both the
+        result and the Future are dropped (pipelined callers should drop each Future once done).
+        """
         fut: Future = Future()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
         self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
@@ -381,8 +388,12 @@ class ConsumerNode:
 
     def _step(self, control) -> None:
         busy = any(s.reading() for s in self._sessions.values())
-        timeout = 0.0 if busy else self._idle_timeout()
-        events = control.poll(timeout)
+        events = control.poll(0.0 if busy else self._idle_timeout())
+        if busy and not events and not self._inbox:
+            # A transfer is in flight: yield the CPU briefly instead of spinning, so the data
+            # plane's own progress threads (and the producer, on a small host) can run; the
+            # sleep bounds the added latency to ~_BUSY_SLEEP_S (zmq polls have 1 ms granularity).
+            time.sleep(_BUSY_SLEEP_S)
         now = time.monotonic()
         while self._inbox:
             kind, producer, mm_hash, deadline, fut = self._inbox.popleft()
