@@ -1,8 +1,8 @@
 """CURVE key files and the client allow-list.
 
 Key files use the zcert text format written by ``zmq.auth.create_certificates`` (``NAME.key`` holds
-the public key, ``NAME.key_secret`` both keys), so they interoperate with other ZeroMQ tools. Keys in
-memory are 40-character Z85 ``str``.
+the public key, ``NAME.key_secret`` both keys), so they interoperate with other ZeroMQ tools. Keys
+in memory are 40-character Z85 ``str``.
 
 Errors are :class:`~ectransport.errors.ConfigError` with a one-line message naming the path.
 """
@@ -110,7 +110,8 @@ def load_public(path_or_z85: str | os.PathLike[str]) -> str:
     path = Path(path_or_z85)
     if not path.exists():
         raise ConfigError(
-            f"{str(path_or_z85)!r} is neither a 40-character Z85 public key nor an existing key file"
+            f"{str(path_or_z85)!r} is neither a 40-character Z85 public key nor an existing key "
+            "file"
         )
     return _read_cert(path)[0]
 

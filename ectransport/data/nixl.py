@@ -34,6 +34,8 @@ from ectransport.data.base import (
     TransferModel,
     XferState,
 )
+from ectransport.data.options import reject_unknown
+from ectransport.data.runs import check_runs, merge_runs, segment_pair
 from ectransport.errors import ConfigError, DataPlaneError, PlaneUnavailable
 from ectransport.store import Run
 
@@ -137,47 +139,6 @@ def _import_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
-def _merge(runs: Sequence[Run], base: int, block_bytes: int) -> list[tuple[int, int]]:
-    """``runs`` as ``(addr, length)`` bytes, adjacent runs merged, payload order kept."""
-    out: list[tuple[int, int]] = []
-    for r in runs:
-        addr = base + r.start * block_bytes
-        length = r.count * block_bytes
-        if out and out[-1][0] + out[-1][1] == addr:
-            out[-1] = (out[-1][0], out[-1][1] + length)
-        else:
-            out.append((addr, length))
-    return out
-
-
-def _segment(
-    local: list[tuple[int, int]], remote: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Split both lists at the union of their boundaries so that pair ``i`` has equal lengths.
-
-    Both lists must cover the same number of bytes (checked by the caller).
-    """
-    out_l: list[tuple[int, int]] = []
-    out_r: list[tuple[int, int]] = []
-    i = j = 0
-    la, ll = local[0]
-    ra, rl = remote[0]
-    while True:
-        n = min(ll, rl)
-        out_l.append((la, n))
-        out_r.append((ra, n))
-        la, ll, ra, rl = la + n, ll - n, ra + n, rl - n
-        if ll == 0:
-            i += 1
-            if i == len(local):
-                break
-            la, ll = local[i]
-        if rl == 0:
-            j += 1
-            ra, rl = remote[j]
-    return out_l, out_r
-
-
 def _ucx_plugin_present() -> bool | None:
     """Whether a NIXL UCX plugin file is found next to the installed wheels (None: can't tell)."""
     dirs = [os.environ["NIXL_PLUGIN_DIR"]] if os.environ.get("NIXL_PLUGIN_DIR") else []
@@ -213,12 +174,7 @@ class NixlPlane(DataTransport):
     capabilities = _LazyCapabilities()  # type: ignore[assignment]
 
     def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(
-                f"unknown nixl plane option(s) {sorted(unknown)}; "
-                f"expected some of {sorted(_OPTIONS)}"
-            )
+        reject_unknown("nixl plane", options, _OPTIONS)
         mem_kind = getattr(region, "mem_kind", "DRAM")
         if mem_kind not in _MEM_KINDS:
             raise ConfigError(f"nixl plane moves {_MEM_KINDS} memory, region is {mem_kind!r}")
@@ -300,8 +256,8 @@ class NixlPlane(DataTransport):
         """
         if self._closed:
             raise DataPlaneError("nixl plane is closed")
-        self._check_runs(runs, nbytes)
-        descs = _merge(runs, self._base, self._block_bytes)
+        check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
+        descs = merge_runs(runs, self._block_bytes, self._base)
         grant = NixlGrant(self.agent_name, self._meta, self._mem_kind, self._dev_id, descs)
         return _grant_encoder.encode(grant)
 
@@ -349,8 +305,8 @@ class NixlPlane(DataTransport):
             raise DataPlaneError(
                 f"nixl grant memory kind {grant.mem_kind!r} is not one of {_MEM_KINDS}"
             )
-        self._check_runs(runs, nbytes)
-        local = _merge(runs, self._base, self._block_bytes)
+        check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
+        local = merge_runs(runs, self._block_bytes, self._base)
         local_bytes = sum(n for _, n in local)
         remote_bytes = sum(n for _, n in grant.descs)
         if remote_bytes != local_bytes:
@@ -358,7 +314,7 @@ class NixlPlane(DataTransport):
                 f"nixl grant of agent {grant.agent!r} covers {remote_bytes} bytes, the local runs "
                 f"{local_bytes} bytes; both sides must use the same block_bytes and block count"
             )
-        seg_local, seg_remote = _segment(local, grant.descs)
+        seg_local, seg_remote = segment_pair(local, grant.descs)
         dev = self._dev_id
         with self._lock:
             if self._closed:
@@ -443,21 +399,6 @@ class NixlPlane(DataTransport):
             self._agent = None  # stuck xfer handles keep the native agent alive on their own
 
     # -- internals --------------------------------------------------------------------------------
-    def _check_runs(self, runs: Sequence[Run], nbytes: int) -> None:
-        if not runs:
-            raise DataPlaneError("no blocks given (runs is empty)")
-        total = 0
-        for r in runs:
-            if r.count <= 0 or r.start < 0 or r.start + r.count > self._num_blocks:
-                raise DataPlaneError(
-                    f"run {r} is outside the region's {self._num_blocks} blocks"
-                )
-            total += r.count
-        if nbytes < 0 or nbytes > total * self._block_bytes:
-            raise DataPlaneError(
-                f"nbytes {nbytes} does not fit {total} blocks of {self._block_bytes} bytes"
-            )
-
     def _load_peer(self, agent: str, meta: bytes) -> None:
         """Load a remote agent's metadata once; reload it if the same name brings new metadata."""
         known = self._peers.get(agent)

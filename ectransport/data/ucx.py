@@ -64,6 +64,9 @@ from ectransport.data.base import (
     TransferModel,
     XferState,
 )
+from ectransport.data.options import reject_unknown
+from ectransport.data.runs import check_runs, payload_spans, split_spans, union_cuts, views
+from ectransport.data.serving import TOKEN_BYTES, Notifications, grant_token, new_token
 from ectransport.errors import ConfigError, DataPlaneError, PlaneUnavailable
 from ectransport.store import Run
 
@@ -94,7 +97,7 @@ class UcxGrant(msgspec.Struct, frozen=True, tag="ucx/1", forbid_unknown_fields=T
 
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
-    token: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    token: Annotated[bytes, msgspec.Meta(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
     blocks: Annotated[int, msgspec.Meta(gt=0)]
     lens: list[Annotated[int, msgspec.Meta(gt=0)]]
@@ -128,50 +131,24 @@ def _parse_header(buf: np.ndarray) -> tuple[int, str]:
     return status, buf[3 : 3 + min(n, _HEADER_BYTES - 3)].tobytes().decode(errors="replace")
 
 
-def _pieces(runs: Sequence[Run], nbytes: int, block_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` bytes of ``runs`` in the region, adjacent runs merged, cut at nbytes."""
-    out: list[tuple[int, int]] = []
-    left = nbytes
-    for r in runs:
-        if left <= 0:
-            break
-        off, n = r.start * block_bytes, min(left, r.count * block_bytes)
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-        left -= n
-    return out
-
-
-def _split(pieces: list[tuple[int, int]], segs: Sequence[int]) -> list[tuple[int, int]] | None:
-    """Cut ``pieces`` into ``segs`` lengths; None if a segment would straddle two pieces."""
-    out: list[tuple[int, int]] = []
-    i, (off, n) = 0, pieces[0] if pieces else (0, 0)
-    for s in segs:
-        if i >= len(pieces) or s > n:
-            return None
-        out.append((off, s))
-        off, n = off + s, n - s
-        if n == 0:
-            i += 1
-            if i < len(pieces):
-                off, n = pieces[i]
-    return out if i == len(pieces) else None
-
-
-def _union(a: Sequence[int], b: Sequence[int]) -> list[int]:
-    """Segment lengths at the union of the boundaries of two partitions of the same total."""
-    cuts = sorted(set(itertools.accumulate(a)) | set(itertools.accumulate(b)))
-    return [y - x for x, y in zip([0, *cuts], cuts, strict=False) if y > x]
-
-
 def _import_ucxx() -> Any:
+    """Import ucxx without letting it change this process's environment.
+
+    ``import ucxx`` writes ``UCX_*`` variables (e.g. ``UCX_RNDV_THRESH=8192``) into
+    ``os.environ``; every UCX context created afterwards in the process reads them — NIXL's
+    included, where that threshold made an 8.8 MiB READ ~30x slower (measured). The plane passes
+    its own options to its own context instead, so the environment is restored right after.
+    """
+    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     try:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
     except ImportError as exc:
         raise PlaneUnavailable(f"the ucx data plane needs ucxx ({exc}); {_INSTALL_HINT}") from exc
+    finally:
+        for k in [k for k in os.environ if k.startswith("UCX_") and k not in before]:
+            del os.environ[k]
+        os.environ.update(before)
     return ucx_api, Array
 
 
@@ -250,10 +227,7 @@ class UcxPlane(DataTransport):
     )
 
     def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown ucx plane option(s) {sorted(unknown)}; "
-                              f"expected some of {sorted(_OPTIONS)}")
+        reject_unknown("ucx plane", options, _OPTIONS)
         mem_kind = getattr(region, "mem_kind", "DRAM")
         if mem_kind != "DRAM":
             raise ConfigError(f"ucx plane moves DRAM memory, region is {mem_kind!r}")
@@ -274,7 +248,7 @@ class UcxPlane(DataTransport):
         self._region = region  # keeps the memory alive
         self._lock = threading.Lock()
         self._grants: dict[bytes, list[tuple[int, int]]] = {}
-        self._notifs: list[bytes] = []
+        self._notifs = Notifications()
         self._cmds: collections.deque[tuple[str, Any]] = collections.deque()
         self._xids = itertools.count(1)
         self._closed = False
@@ -341,9 +315,9 @@ class UcxPlane(DataTransport):
         """
         if self._closed:
             raise DataPlaneError("ucx plane is closed")
-        self._check_runs(runs, nbytes)
-        pieces = _pieces(runs, nbytes, self._block_bytes)
-        token = os.urandom(16)
+        check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
+        pieces = payload_spans(runs, self._block_bytes, nbytes)
+        token = new_token()
         with self._lock:
             self._grants[token] = pieces
         return _grant_encoder.encode(
@@ -352,17 +326,15 @@ class UcxPlane(DataTransport):
 
     def revoke(self, plane_grant: bytes) -> None:
         """Refuse the grant's token from now on (a transfer already being sent completes)."""
-        try:
-            token = _grant_decoder.decode(plane_grant).token
-        except (msgspec.DecodeError, TypeError):
+        token = grant_token(_grant_decoder, plane_grant)
+        if token is None:
             return
         with self._lock:
             self._grants.pop(token, None)
 
     def poll_notifications(self) -> list[bytes]:
         """``notif`` of every request fully sent since the last call."""
-        with self._lock:
-            out, self._notifs = self._notifs, []
+        out = self._notifs.drain()
         return [] if self._closed else out
 
     # -- consumer side ----------------------------------------------------------------------------
@@ -377,22 +349,21 @@ class UcxPlane(DataTransport):
             grant = _grant_decoder.decode(plane_grant)
         except (msgspec.DecodeError, TypeError) as exc:
             raise DataPlaneError(f"malformed ucx grant ({len(plane_grant)} bytes): {exc}") from exc
-        self._check_runs(runs, nbytes)
-        blocks = sum(r.count for r in runs)
+        blocks = check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
         if grant.nbytes != nbytes or sum(grant.lens) != nbytes or grant.blocks != blocks:
             raise DataPlaneError(
                 f"ucx grant covers {grant.nbytes} bytes in {grant.blocks} blocks (pieces sum "
                 f"{sum(grant.lens)}), the local runs {nbytes} bytes in {blocks} blocks; both "
                 f"sides must use the same block_bytes and block count")
-        local = _pieces(runs, nbytes, self._block_bytes)
-        segs = _union([n for _, n in local], grant.lens)
+        local = payload_spans(runs, self._block_bytes, nbytes)
+        segs = union_cuts([n for _, n in local], grant.lens)
         if len(segs) > _MAX_SEGS:
             raise DataPlaneError(f"ucx transfer needs {len(segs)} segments, at most {_MAX_SEGS}")
-        views = [self._mem[o : o + n] for o, n in _split(local, segs) or []]
+        local_views = views(self._mem, split_spans(local, segs) or [])
         if self._closed:
             raise DataPlaneError("ucx plane is closed")
-        t = _Transfer(next(self._xids), (grant.host, grant.port), grant.token, notif, segs, views,
-                      time.monotonic() + self._timeout_s)
+        t = _Transfer(next(self._xids), (grant.host, grant.port), grant.token, notif, segs,
+                      local_views, time.monotonic() + self._timeout_s)
         self._submit("start", t)
         return t
 
@@ -565,8 +536,7 @@ class UcxPlane(DataTransport):
                 _log.debug("ucx plane: sending a grant failed: %s", exc)
                 continue
             if s.notif is not None:
-                with self._lock:
-                    self._notifs.append(s.notif)
+                self._notifs.push(s.notif)
 
     def _serve(self, conn: _Conn, data: bytes) -> None:
         try:
@@ -582,7 +552,7 @@ class UcxPlane(DataTransport):
         if pieces is None:
             hdr = _header(_REFUSED, "unknown or revoked ucx grant")
         elif sum(req.segs) != sum(n for _, n in pieces) or len(req.segs) > _MAX_SEGS or (
-                segs := _split(pieces, req.segs)) is None:
+                segs := split_spans(pieces, req.segs)) is None:
             hdr = _header(_BAD, "requested segments do not match the grant")
         else:
             hdr = _header(_OK)
@@ -685,15 +655,3 @@ class UcxPlane(DataTransport):
         info = self._ctx.info
         found = re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.MULTILINE)
         return sorted({r.split()[-1].split("/")[0] for r in found})
-
-    def _check_runs(self, runs: Sequence[Run], nbytes: int) -> None:
-        if not runs:
-            raise DataPlaneError("no blocks given (runs is empty)")
-        total = 0
-        for r in runs:
-            if r.count <= 0 or r.start < 0 or r.start + r.count > self._num_blocks:
-                raise DataPlaneError(f"run {r} is outside the region's {self._num_blocks} blocks")
-            total += r.count
-        if nbytes < 0 or nbytes > total * self._block_bytes:
-            raise DataPlaneError(
-                f"nbytes {nbytes} does not fit {total} blocks of {self._block_bytes} bytes")

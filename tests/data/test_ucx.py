@@ -282,3 +282,21 @@ def test_separate_process_producer(regions):
             proc.kill()
             proc.join(5)
     assert proc.exitcode == 0
+
+
+def test_ucx_plane_leaves_the_process_environment_alone():
+    """ucxx's import writes UCX_* variables that every later UCX context (NIXL's too) would
+    read — an RNDV threshold that made NIXL READs ~30x slower. The plane must not leak them."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from ectransport.store import HostRegion; "
+            "from ectransport.data.ucx import UcxPlane; "
+            "p = UcxPlane(node_id='env', region=HostRegion(4, 64)); p.close(); "
+            "print(sorted(k for k in os.environ if k.startswith('UCX_')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -48,12 +48,10 @@ import ctypes
 import logging
 import os
 import secrets
-import selectors
 import shutil
 import socket
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -67,6 +65,23 @@ from ectransport.data.base import (
     TransferModel,
     XferState,
 )
+from ectransport.data.options import SERVING_DEFAULTS, ServingOptions, reject_unknown
+from ectransport.data.runs import check_runs, payload_spans
+from ectransport.data.serving import (
+    PREFIX_BYTES,
+    TOKEN_BYTES,
+    Acceptor,
+    ConnectionPool,
+    Notifications,
+    PeerClosed,
+    Receive,
+    Receives,
+    close_quietly,
+    frame,
+    grant_token,
+    new_token,
+    receive_state,
+)
 from ectransport.errors import ConfigError, DataPlaneError
 from ectransport.store import Run
 
@@ -78,14 +93,12 @@ _log = logging.getLogger(__name__)
 SHM_WIRE_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_NOTIF_BYTES = 2048
-TOKEN_BYTES = 16
 
 STATUS_OK = 0
 STATUS_UNKNOWN_GRANT = 1  #: never granted, revoked, or the plane is closing
 STATUS_BAD_REQUEST = 2
 STATUS_INTERNAL = 3  #: e.g. the producer cannot create a segment (/dev/shm full)
 
-_PREFIX = 4
 _PROGRESS = 8  # bytes of one progress record (big-endian end offset)
 _JOIN_S = 2.0
 
@@ -93,12 +106,7 @@ _OPTIONS = {
     "segment_dir": segments.DEFAULT_SEGMENT_DIR,  # where segments are created
     "segment_bytes": 16 << 20,  # producer: ring segment per connection
     "chunk_bytes": 2 << 20,  # producer: ring slot (pipelining unit)
-    "connect_timeout_s": 5.0,
-    "io_timeout_s": 10.0,  # longest wait for one header, chunk or ack during a transfer
-    "idle_timeout_s": 60.0,  # producer: a connection idle this long between requests is closed
-    "max_connections": 64,  # producer: concurrent connections (one thread and segment each)
-    "max_inflight": 64,  # consumer: concurrent receives (one thread each)
-    "max_idle_per_peer": 8,  # consumer: pooled idle connections (and mapped segments) per producer
+    **SERVING_DEFAULTS,  # timeouts and thread/pool bounds (io_timeout_s: one header, chunk or ack)
 }
 
 
@@ -156,19 +164,9 @@ class ShmReply(msgspec.Struct, frozen=True, tag="rep", forbid_unknown_fields=Tru
     detail: str = ""
 
 
-_encoder = msgspec.msgpack.Encoder()
 _grant_decoder = msgspec.msgpack.Decoder(ShmGrant)
 _request_decoder = msgspec.msgpack.Decoder(ShmRequest)
 _reply_decoder = msgspec.msgpack.Decoder(ShmReply)
-
-
-def _frame(msg: msgspec.Struct) -> bytes:
-    body = _encoder.encode(msg)
-    return len(body).to_bytes(_PREFIX, "big") + body
-
-
-class _PeerClosed(ConnectionError):
-    """EOF before the expected bytes."""
 
 
 def _recv_exact(sock: socket.socket, n: int, timeout_s: float, first: bytes = b"") -> bytes:
@@ -177,7 +175,7 @@ def _recv_exact(sock: socket.socket, n: int, timeout_s: float, first: bytes = b"
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise _PeerClosed(f"peer closed after {len(buf)} of {n} bytes")
+            raise PeerClosed(f"peer closed after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
 
@@ -188,13 +186,14 @@ def _recv_header(sock: socket.socket, first_timeout_s: float, timeout_s: float,
     sock.settimeout(first_timeout_s)
     fds: list[int] = []
     if want_fds:
-        data, fds, _flags, _addr = socket.recv_fds(sock, _PREFIX, 4, socket.MSG_CMSG_CLOEXEC)
+        data, fds, _flags, _addr = socket.recv_fds(sock, PREFIX_BYTES, 4,
+                                                   socket.MSG_CMSG_CLOEXEC)
     else:
-        data = sock.recv(_PREFIX)
+        data = sock.recv(PREFIX_BYTES)
     try:
         if not data:
-            raise _PeerClosed("peer closed before a header")
-        head = _recv_exact(sock, _PREFIX, timeout_s, data)
+            raise PeerClosed("peer closed before a header")
+        head = _recv_exact(sock, PREFIX_BYTES, timeout_s, data)
         length = int.from_bytes(head, "big")
         if not 0 < length <= MAX_HEADER_BYTES:
             raise ValueError(f"header length {length} not in 1..{MAX_HEADER_BYTES}")
@@ -212,38 +211,12 @@ def _close_fds(fds: list[int]) -> None:
             pass
 
 
-def _shutdown(sock: socket.socket | None) -> None:
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _close(sock: socket.socket | None) -> None:
-    if sock is not None:
-        try:
-            sock.close()
-        except OSError:
-            pass
-
-
 def _payload_views(mem: np.ndarray, runs: Sequence[Run], block_bytes: int,
                    nbytes: int) -> list[tuple[int, np.ndarray]]:
     """``(payload offset, view)`` covering the first ``nbytes`` bytes of ``runs``, adjacent runs
     merged."""
-    spans: list[list[int]] = []
-    for r in runs:
-        off, length = r.start * block_bytes, r.count * block_bytes
-        if spans and spans[-1][0] + spans[-1][1] == off:
-            spans[-1][1] += length
-        else:
-            spans.append([off, length])
     out, pos = [], 0
-    for off, length in spans:
-        if pos >= nbytes:
-            break
-        n = min(nbytes - pos, length)
+    for off, n in payload_spans(runs, block_bytes, nbytes):
         out.append((pos, mem[off:off + n]))
         pos += n
     return out
@@ -305,25 +278,8 @@ class _Chan:
             self.mm = None
 
     def close(self) -> None:
-        _close(self.sock)
+        close_quietly(self.sock)
         self.drop_segment()
-
-
-class _Recv:
-    """Consumer side: one receive (the handle returned by :meth:`ShmPlane.start`)."""
-
-    __slots__ = ("cancelled", "detail", "io_lock", "nbytes", "sock", "sock_lock", "state",
-                 "thread")
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.state = XferState.PROC
-        self.detail = ""
-        self.cancelled = False
-        self.sock: socket.socket | None = None
-        self.io_lock = threading.Lock()  # held during each chunk copy into the local blocks
-        self.sock_lock = threading.Lock()
-        self.thread: threading.Thread | None = None
 
 
 class ShmPlane(DataTransport):
@@ -356,10 +312,7 @@ class ShmPlane(DataTransport):
     )
 
     def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise ConfigError(f"unknown shm plane option(s) {sorted(unknown)}; "
-                              f"expected some of {sorted(_OPTIONS)}")
+        reject_unknown("shm plane", options, _OPTIONS)
         opts = {**_OPTIONS, **options}
         if getattr(region, "mem_kind", "DRAM") != "DRAM":
             raise ConfigError(f"shm plane moves DRAM only, region is {region.mem_kind!r}")
@@ -367,21 +320,14 @@ class ShmPlane(DataTransport):
             self._segment_dir = str(opts["segment_dir"])
             self._segment_bytes = int(opts["segment_bytes"])
             self._chunk_bytes = int(opts["chunk_bytes"])
-            self._connect_timeout_s = float(opts["connect_timeout_s"])
-            self._io_timeout_s = float(opts["io_timeout_s"])
-            self._idle_timeout_s = float(opts["idle_timeout_s"])
-            self._max_connections = int(opts["max_connections"])
-            self._max_inflight = int(opts["max_inflight"])
-            self._max_idle_per_peer = int(opts["max_idle_per_peer"])
+            self._opt = ServingOptions.parse(opts)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid shm plane option: {exc}") from exc
         if self._chunk_bytes <= 0 or self._segment_bytes < self._chunk_bytes or \
                 self._segment_bytes % self._chunk_bytes:
             raise ConfigError(f"shm plane segment_bytes ({self._segment_bytes}) must be a positive "
                               f"multiple of chunk_bytes ({self._chunk_bytes})")
-        if min(self._connect_timeout_s, self._io_timeout_s, self._idle_timeout_s) <= 0 or min(
-                self._max_connections, self._max_inflight) <= 0 or self._max_idle_per_peer < 0:
-            raise ConfigError("shm plane timeouts and max_connections/max_inflight must be > 0")
+        self._opt.check("shm plane")
         if not os.path.isdir(self._segment_dir):
             raise ConfigError(f"shm plane segment_dir {self._segment_dir!r} is not a directory")
 
@@ -406,30 +352,25 @@ class ShmPlane(DataTransport):
         self._closed = False
         # producer state
         self._grants: dict[bytes, _Served] = {}
-        self._conns: set[socket.socket] = set()
-        self._serve_threads: set[threading.Thread] = set()
-        self._notifs: collections.deque[bytes] = collections.deque()
+        self._notifs = Notifications()
         self.stats: collections.Counter[str] = collections.Counter()
         # consumer state
-        self._handles: set[_Recv] = set()
-        self._pool: dict[str, list[_Chan]] = {}
-        self._peer_sockets: dict[str, set[str]] = {}
+        self._receives = Receives(self._lock, self._opt.max_inflight, "shm plane")
+        self._pool: ConnectionPool[str, _Chan] = ConnectionPool(self._lock,
+                                                                self._opt.max_idle_per_peer)
 
         self.socket_name = f"ectransport-shm.{os.getpid()}.{secrets.token_hex(8)}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._listener.bind("\0" + self.socket_name)
-            self._listener.listen(128)
+            listener.bind("\0" + self.socket_name)
+            listener.listen(128)
         except OSError as exc:
-            self._listener.close()
+            listener.close()
             raise ConfigError(f"shm plane cannot listen on @{self.socket_name}: {exc}") from exc
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name="ectransport-shm-accept")
-        self._accept_thread.start()
+        self._acceptor = Acceptor(
+            listener, self._serve, lock=self._lock, stats=self.stats,
+            max_connections=self._opt.max_connections, log=_log, what="shm plane",
+            accept_name="ectransport-shm-accept", serve_name="ectransport-shm-serve")
 
     # -- discovery --------------------------------------------------------------------------------
     @classmethod
@@ -459,21 +400,21 @@ class ShmPlane(DataTransport):
         """
         blocks = self._check_runs(runs, nbytes)
         views = _payload_views(self._mem_or_raise(), runs, self._block_bytes, nbytes)
-        token = secrets.token_bytes(TOKEN_BYTES)
+        token = new_token()
         with self._lock:
             if self._closed:
                 raise DataPlaneError("shm plane is closed")
             self._grants[token] = _Served(views, nbytes)
-        return _encoder.encode(ShmGrant(self.socket_name, self._boot_id, self._host, token,
-                                        nbytes, blocks * self._block_bytes, self.node_id))
+        return msgspec.msgpack.encode(ShmGrant(self.socket_name, self._boot_id, self._host,
+                                               token, nbytes, blocks * self._block_bytes,
+                                               self.node_id))
 
     def revoke(self, plane_grant: bytes) -> None:
         """Stop serving ``plane_grant``: later requests get UNKNOWN_GRANT; a transfer in progress
         copies no further chunk once this returns (it waits out at most one chunk copy).
         Unknown or malformed grants: no-op."""
-        try:
-            token = _grant_decoder.decode(plane_grant).token
-        except (msgspec.DecodeError, TypeError):
+        token = grant_token(_grant_decoder, plane_grant)
+        if token is None:
             return
         with self._lock:
             served = self._grants.pop(token, None)
@@ -483,16 +424,11 @@ class ShmPlane(DataTransport):
             served.revoked = True
 
     def poll_notifications(self) -> list[bytes]:
-        out = []
-        while True:
-            try:
-                out.append(self._notifs.popleft())
-            except IndexError:
-                return out
+        return self._notifs.drain()
 
     # -- consumer side ----------------------------------------------------------------------------
     def start(self, prepared: Any, plane_grant: bytes, runs: Sequence[Run], nbytes: int,
-              notif: bytes) -> _Recv:
+              notif: bytes) -> Receive:
         """Request the granted blocks and copy them into local ``runs`` (background thread).
 
         Raises:
@@ -518,50 +454,30 @@ class ShmPlane(DataTransport):
         if len(notif) > MAX_NOTIF_BYTES:
             raise DataPlaneError(f"notif is {len(notif)} bytes, at most {MAX_NOTIF_BYTES}")
         views = _payload_views(self._mem_or_raise(), runs, self._block_bytes, nbytes)
-        handle = _Recv(nbytes)
-        request = _frame(ShmRequest(SHM_WIRE_VERSION, grant.token, bytes(notif)))
+        handle = Receive(nbytes)
+        request = frame(ShmRequest(SHM_WIRE_VERSION, grant.token, bytes(notif)))
         with self._lock:
             if self._closed:
                 raise DataPlaneError("shm plane is closed")
-            if len(self._handles) >= self._max_inflight:
-                raise DataPlaneError(f"shm plane has {len(self._handles)} receives in flight "
-                                     f"(max_inflight={self._max_inflight})")
-            self._handles.add(handle)
+            self._receives.admit_locked(handle)
             if grant.node:
-                self._peer_sockets.setdefault(grant.node, set()).add(grant.socket)
-            handle.thread = threading.Thread(
-                target=self._receive, args=(handle, grant.socket, request, views), daemon=True,
-                name="ectransport-shm-recv")
-            handle.thread.start()
+                self._pool.note_locked(grant.node, grant.socket)
+            handle.start(self._receive, (handle, grant.socket, request, views),
+                         "ectransport-shm-recv")
         return handle
 
     def check(self, handle: Any) -> XferState:
         """PROC, DONE or ERR; a released handle keeps its last state (ERR if it was in flight)."""
-        if not isinstance(handle, _Recv):
-            return XferState.ERR
-        return handle.state
+        return receive_state(handle)
 
     def release(self, handle: Any) -> None:
         """Cancel and forget a receive; idempotent. When this returns no more bytes land in the
         handle's local blocks."""
-        if not isinstance(handle, _Recv):
-            return
-        with handle.sock_lock:
-            handle.cancelled = True
-            _shutdown(handle.sock)
-        with handle.io_lock:
-            if handle.state is XferState.PROC:
-                handle.state = XferState.ERR
-                handle.detail = handle.detail or "released while in flight"
-        with self._lock:
-            self._handles.discard(handle)
+        self._receives.release(handle)
 
     def forget_peer(self, peer: str) -> None:
         """Close the pooled connections (and unmap the segments) of producer node ``peer``."""
-        with self._lock:
-            chans = [c for name in self._peer_sockets.pop(peer, ())
-                     for c in self._pool.pop(name, [])]
-        for c in chans:
+        for c in self._pool.forget(peer):
             c.close()
 
     def close(self) -> None:
@@ -573,76 +489,34 @@ class ShmPlane(DataTransport):
             self._closed = True
             grants = list(self._grants.values())
             self._grants.clear()
-            conns = list(self._conns)
-            handles = list(self._handles)
-            pooled = [c for chans in self._pool.values() for c in chans]
-            self._pool.clear()
-            self._peer_sockets.clear()
+            self._acceptor.close_locked()
+            handles = self._receives.snapshot_locked()
+            pooled = self._pool.close_locked()
         for served in grants:
             with served.lock:
                 served.revoked = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        for sock in conns:
-            _shutdown(sock)
+        self._acceptor.stop()
         for h in handles:
             self.release(h)
         for c in pooled:
             c.close()
-        deadline = time.monotonic() + _JOIN_S
-        self._accept_thread.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            threads = list(self._serve_threads) + [h.thread for h in handles if h.thread]
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
-        for s in (self._listener, self._wake_r, self._wake_w):
-            _close(s)
-        self._selector.close()
+        self._acceptor.join_and_close([h.thread for h in handles if h.thread], _JOIN_S)
         self._notifs.clear()
         self._mem = None
         segments.sweep_stale_segments(self._segment_dir)
 
     # -- producer internals -----------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                events = self._selector.select(1.0)
-            except (OSError, ValueError):
-                return
-            for key, _ in events:
-                if key.fileobj is self._wake_r:
-                    return
-                try:
-                    conn, _addr = self._listener.accept()
-                except OSError:
-                    continue
-                self._admit(conn)
-
-    def _admit(self, conn: socket.socket) -> None:
-        with self._lock:
-            if self._closed or len(self._conns) >= self._max_connections:
-                self.stats["refused"] += 1
-                _close(conn)
-                return
-            self.stats["accepted"] += 1
-            self._conns.add(conn)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                 name="ectransport-shm-serve")
-            self._serve_threads.add(t)
-        t.start()
-
     def _serve(self, conn: socket.socket) -> None:
-        """One connection: requests until EOF, error, abort or idle timeout; never raises."""
+        """One connection (on its :class:`Acceptor` thread, which closes it): requests until EOF,
+        error, abort or idle timeout."""
         seg: segments.Segment | None = None
         try:
             while not self._closed:
                 try:
-                    body, _ = _recv_header(conn, self._idle_timeout_s, self._io_timeout_s, False)
+                    body, _ = _recv_header(conn, self._opt.idle_timeout_s,
+                                           self._opt.io_timeout_s, False)
                     req = _request_decoder.decode(body)
-                except (OSError, _PeerClosed):
+                except (OSError, PeerClosed):
                     return
                 except (ValueError, msgspec.DecodeError) as exc:
                     self._reply_error(conn, STATUS_BAD_REQUEST, f"bad request: {exc}")
@@ -669,13 +543,7 @@ class ShmPlane(DataTransport):
                         return
                 if not self._send_grant(conn, req, served, seg, new_seg):
                     return
-        except Exception:
-            _log.exception("shm plane: connection handler failed")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-                self._serve_threads.discard(threading.current_thread())
-            _close(conn)
             if seg is not None:
                 seg.close()
 
@@ -684,8 +552,8 @@ class ShmPlane(DataTransport):
             self._count("bad")
             _log.debug("shm plane: %s", detail)
         try:
-            conn.settimeout(self._io_timeout_s)
-            conn.sendall(_frame(ShmReply(SHM_WIRE_VERSION, status, 0, detail=detail[:200])))
+            conn.settimeout(self._opt.io_timeout_s)
+            conn.sendall(frame(ShmReply(SHM_WIRE_VERSION, status, 0, detail=detail[:200])))
             return True
         except OSError:
             return False
@@ -694,10 +562,10 @@ class ShmPlane(DataTransport):
                     seg: segments.Segment | None, new_seg: segments.Segment | None) -> bool:
         """Stream one grant through the ring; True if the connection can take another request."""
         nbytes, chunk = served.nbytes, self._chunk_bytes
-        head = _frame(ShmReply(SHM_WIRE_VERSION, STATUS_OK, nbytes,
+        head = frame(ShmReply(SHM_WIRE_VERSION, STATUS_OK, nbytes,
                                seg.nbytes if seg else 0, chunk, new_seg is not None))
         try:
-            conn.settimeout(self._io_timeout_s)
+            conn.settimeout(self._opt.io_timeout_s)
             if new_seg is not None:
                 sent = socket.send_fds(conn, [head], [new_seg.ro_fd])
                 new_seg.close_fd()  # the consumer holds its own copy now
@@ -714,7 +582,7 @@ class ShmPlane(DataTransport):
                     while i - acked >= slots:  # slot i % slots still holds chunk i - slots
                         got = conn.recv(min(64, total - slots - acked))
                         if not got:
-                            raise _PeerClosed("consumer closed while the ring was full")
+                            raise PeerClosed("consumer closed while the ring was full")
                         acked += len(got)
                     lo, hi = i * chunk, min(nbytes, (i + 1) * chunk)
                     with served.lock:
@@ -729,11 +597,11 @@ class ShmPlane(DataTransport):
             _log.debug("shm plane: transfer aborted: %s", exc)
             return False
         self._count("served")
-        self._notifs.append(req.notif)
+        self._notifs.push(req.notif)
         return True
 
     # -- consumer internals -----------------------------------------------------------------------
-    def _receive(self, handle: _Recv, name: str, request: bytes,
+    def _receive(self, handle: Receive, name: str, request: bytes,
                  views: list[tuple[int, np.ndarray]]) -> None:
         """Receive thread: request, reply, chunks into ``views``; sets DONE or ERR."""
         chan: _Chan | None = None
@@ -745,12 +613,12 @@ class ShmPlane(DataTransport):
                         return
                     handle.sock = chan.sock
                 try:
-                    chan.sock.settimeout(self._io_timeout_s)
+                    chan.sock.settimeout(self._opt.io_timeout_s)
                     chan.sock.sendall(request)
-                    body, fds = _recv_header(chan.sock, self._io_timeout_s, self._io_timeout_s,
-                                             True)
+                    body, fds = _recv_header(chan.sock, self._opt.io_timeout_s,
+                                             self._opt.io_timeout_s, True)
                     break
-                except (_PeerClosed, ConnectionResetError, BrokenPipeError):
+                except (PeerClosed, ConnectionResetError, BrokenPipeError):
                     if not reused or handle.cancelled:
                         raise
                     chan.close()  # a stale pooled connection: retry once on a fresh one
@@ -794,14 +662,9 @@ class ShmPlane(DataTransport):
         finally:
             if chan is not None:
                 chan.close()
-            with handle.sock_lock:
-                handle.sock = None
-            with handle.io_lock:
-                if handle.state is XferState.PROC:
-                    handle.state = XferState.ERR
-                    handle.detail = handle.detail or "cancelled"
+            handle.settle()
 
-    def _drain(self, handle: _Recv, chan: _Chan, views: list[tuple[int, np.ndarray]]) -> None:
+    def _drain(self, handle: Receive, chan: _Chan, views: list[tuple[int, np.ndarray]]) -> None:
         """Copy every chunk out of the ring as its progress record arrives; ack reused slots."""
         seg, chunk, sock = chan.seg, chan.chunk_bytes, chan.sock
         if seg is None:
@@ -810,11 +673,11 @@ class ShmPlane(DataTransport):
         nbytes = handle.nbytes
         total = -(-nbytes // chunk)
         done, pending = 0, b""
-        sock.settimeout(self._io_timeout_s)
+        sock.settimeout(self._opt.io_timeout_s)
         while done < total:
             data = sock.recv(_PROGRESS * (total - done) - len(pending))
             if not data:
-                raise _PeerClosed(f"producer closed after {done} of {total} chunks")
+                raise PeerClosed(f"producer closed after {done} of {total} chunks")
             pending += data
             while len(pending) >= _PROGRESS:
                 end = int.from_bytes(pending[:_PROGRESS], "big")
@@ -832,28 +695,23 @@ class ShmPlane(DataTransport):
 
     def _channel(self, name: str, fresh: bool) -> tuple[_Chan, bool]:
         if not fresh:
-            with self._lock:
-                idle = self._pool.get(name)
-                if idle:
-                    return idle.pop(), True
+            idle = self._pool.take(name)
+            if idle is not None:
+                return idle, True
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self._connect_timeout_s)
+            sock.settimeout(self._opt.connect_timeout_s)
             sock.connect("\0" + name)
         except OSError:
             sock.close()
             raise
         return _Chan(sock), False
 
-    def _give_back(self, name: str, chan: _Chan, handle: _Recv) -> None:
+    def _give_back(self, name: str, chan: _Chan, handle: Receive) -> None:
         with handle.sock_lock:
             reusable, handle.sock = not handle.cancelled, None
-        with self._lock:
-            idle = self._pool.setdefault(name, [])
-            if reusable and not self._closed and len(idle) < self._max_idle_per_peer:
-                idle.append(chan)
-                return
-        chan.close()
+        if not self._pool.put(name, chan, keep=reusable):
+            chan.close()
 
     def _count(self, what: str) -> None:
         with self._lock:
@@ -869,14 +727,4 @@ class ShmPlane(DataTransport):
     def _check_runs(self, runs: Sequence[Run], nbytes: int) -> int:
         if self._closed:
             raise DataPlaneError("shm plane is closed")
-        if not runs:
-            raise DataPlaneError("no blocks given (runs is empty)")
-        total = 0
-        for r in runs:
-            if r.count <= 0 or r.start < 0 or r.start + r.count > self._num_blocks:
-                raise DataPlaneError(f"run {r} is outside the region's {self._num_blocks} blocks")
-            total += r.count
-        if nbytes < 0 or nbytes > total * self._block_bytes:
-            raise DataPlaneError(
-                f"nbytes {nbytes} does not fit {total} blocks of {self._block_bytes} bytes")
-        return total
+        return check_runs(runs, nbytes, self._num_blocks, self._block_bytes)

@@ -1,0 +1,342 @@
+"""What the request-serving (PUSH) planes share: grant tokens, notifications, the producer's
+threaded accept/serve skeleton, the consumer's receive handle and its pool of idle connections.
+
+The TCP plane (:mod:`ectransport.data.tcp`) and the shm plugin (``ectransport_shm``) serve a
+consumer's request naming a grant over a stream socket; the UCX plane uses the grant tokens and the
+notification queue only. Nothing here defines a wire format: framing helpers are byte-for-byte what
+each plane sends (a 4-byte big-endian length, then a msgpack body).
+
+Locking: the helpers that touch plane state take the plane's own ``threading.Lock`` (passed in), so
+a plane's invariants (e.g. "closed" and "no new connection") hold under one lock as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from ectransport.data.base import XferState
+from ectransport.errors import DataPlaneError
+
+#: Bytes of a grant token: a 128-bit random capability naming the granted blocks at the producer.
+TOKEN_BYTES = 16
+#: Bytes of a header's big-endian length prefix.
+PREFIX_BYTES = 4
+
+_encoder = msgspec.msgpack.Encoder()
+
+K = TypeVar("K")
+C = TypeVar("C")
+
+
+def new_token() -> bytes:
+    """A fresh random grant token of :data:`TOKEN_BYTES` bytes."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def grant_token(decoder: msgspec.msgpack.Decoder, plane_grant: bytes) -> bytes | None:
+    """The ``token`` of a msgpack plane grant; None if it does not decode."""
+    try:
+        return decoder.decode(plane_grant).token
+    except (msgspec.DecodeError, TypeError):
+        return None
+
+
+def frame(msg: msgspec.Struct) -> bytes:
+    """``msg`` as msgpack behind its 4-byte big-endian length."""
+    body = _encoder.encode(msg)
+    return len(body).to_bytes(PREFIX_BYTES, "big") + body
+
+
+class PeerClosed(ConnectionError):
+    """EOF before the expected bytes."""
+
+
+def shutdown_quietly(sock: socket.socket | None) -> None:
+    """``shutdown(SHUT_RDWR)`` (wakes a thread blocked on it); None and errors are ignored."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def close_quietly(sock: socket.socket | None) -> None:
+    """``close()``; None and errors are ignored."""
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+class Notifications:
+    """Producer side: completion ``notif`` s queued for ``poll_notifications`` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._q: collections.deque[bytes] = collections.deque()
+
+    def push(self, notif: bytes) -> None:
+        self._q.append(notif)
+
+    def drain(self) -> list[bytes]:
+        """Every queued notification, oldest first; the queue is empty afterwards."""
+        out = []
+        while True:
+            try:
+                out.append(self._q.popleft())
+            except IndexError:
+                return out
+
+    def clear(self) -> None:
+        self._q.clear()
+
+
+class Acceptor:
+    """Producer side: an accept thread on ``listener`` and one daemon serving thread per accepted
+    connection, at most ``max_connections`` (the next are closed and counted ``refused``).
+
+    ``serve(conn)`` handles one connection until it returns; the acceptor then forgets and closes
+    the connection (an exception is logged on ``log``, never raised).
+
+    Args:
+        lock: the plane's lock; admission and :meth:`close_locked` hold it.
+        stats: the plane's counter (``accepted``, ``refused``).
+        nodelay: set ``TCP_NODELAY`` on accepted connections.
+    """
+
+    def __init__(self, listener: socket.socket, serve: Callable[[socket.socket], None], *,
+                 lock: threading.Lock, stats: collections.Counter, max_connections: int,
+                 log: logging.Logger, what: str, accept_name: str, serve_name: str,
+                 nodelay: bool = False):
+        self.listener = listener
+        self.closed = False
+        self.conns: set[socket.socket] = set()
+        self._serve = serve
+        self._lock = lock
+        self._stats = stats
+        self._max_connections = max_connections
+        self._log = log
+        self._what = what
+        self._serve_name = serve_name
+        self._nodelay = nodelay
+        self._threads: set[threading.Thread] = set()
+        self._closing: list[socket.socket] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name=accept_name)
+        self._thread.start()
+
+    def close_locked(self) -> None:
+        """Under the plane lock: admit nothing more (the first step of closing)."""
+        self.closed = True
+        self._closing = list(self.conns)
+
+    def stop(self) -> None:
+        """Make the accept thread return and shut down every connection being served."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        for sock in self._closing:
+            shutdown_quietly(sock)
+
+    def join_and_close(self, others: list[threading.Thread], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` in all for the accept and serving threads and ``others``
+        (never the calling thread), then close the listener and the wake-up pair."""
+        deadline = time.monotonic() + timeout_s
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            threads = list(self._threads) + others
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        for s in (self.listener, self._wake_r, self._wake_w):
+            close_quietly(s)
+        self._selector.close()
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                events = self._selector.select(1.0)
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if key.fileobj is self._wake_r:
+                    return
+                try:
+                    conn, _addr = self.listener.accept()
+                except OSError:
+                    continue
+                self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self.closed or len(self.conns) >= self._max_connections:
+                self._stats["refused"] += 1
+                close_quietly(conn)
+                return
+            self._stats["accepted"] += 1
+            self.conns.add(conn)
+            t = threading.Thread(target=self._run, args=(conn,), daemon=True,
+                                 name=self._serve_name)
+            self._threads.add(t)
+        if self._nodelay:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        t.start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        except Exception:  # a bug in there must not leak the thread's connection silently
+            self._log.exception("%s: connection handler failed", self._what)
+        finally:
+            with self._lock:
+                self.conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            close_quietly(conn)
+
+
+class Receive:
+    """Consumer side: one receive on a background thread (the handle a PUSH plane's ``start``
+    returns). ``sock`` is the connection it uses, shut down by :meth:`cancel`."""
+
+    __slots__ = ("cancelled", "detail", "io_lock", "nbytes", "sock", "sock_lock", "state",
+                 "thread")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.state = XferState.PROC
+        self.detail = ""
+        self.cancelled = False
+        self.sock: socket.socket | None = None
+        self.io_lock = threading.Lock()  # held during each write into the local blocks
+        self.sock_lock = threading.Lock()  # guards sock/cancelled; never held across I/O
+        self.thread: threading.Thread | None = None
+
+    def start(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        self.thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        self.thread.start()
+
+    def cancel(self) -> None:
+        """Stop the receive; when this returns no more bytes land in the local blocks."""
+        with self.sock_lock:
+            self.cancelled = True
+            shutdown_quietly(self.sock)  # wakes a receive blocked in the thread
+        with self.io_lock:  # waits out a write in progress
+            if self.state is XferState.PROC:
+                self.state = XferState.ERR
+                self.detail = self.detail or "released while in flight"
+
+    def settle(self) -> None:
+        """At the end of the receive thread: drop the socket; still in flight means ERR."""
+        with self.sock_lock:
+            self.sock = None
+        with self.io_lock:
+            if self.state is XferState.PROC:
+                self.state = XferState.ERR
+                self.detail = self.detail or "cancelled"
+
+
+def receive_state(handle: Any) -> XferState:
+    """``check`` of a PUSH plane: PROC, DONE or ERR; a released handle keeps its last state (ERR
+    if it was in flight); anything but a :class:`Receive` is ERR."""
+    if not isinstance(handle, Receive):
+        return XferState.ERR
+    return handle.state
+
+
+class Receives:
+    """Consumer side: the receives in flight, at most ``max_inflight``."""
+
+    def __init__(self, lock: threading.Lock, max_inflight: int, what: str):
+        self._lock = lock
+        self._max_inflight = max_inflight
+        self._what = what
+        self._handles: set[Receive] = set()
+
+    def admit_locked(self, handle: Receive) -> None:
+        """Under the plane lock: count ``handle`` in flight.
+
+        Raises:
+            DataPlaneError: ``max_inflight`` receives are in flight already.
+        """
+        if len(self._handles) >= self._max_inflight:
+            raise DataPlaneError(f"{self._what} has {len(self._handles)} receives in flight "
+                                 f"(max_inflight={self._max_inflight})")
+        self._handles.add(handle)
+
+    def release(self, handle: Any) -> None:
+        """Cancel and forget ``handle`` (:meth:`Receive.cancel`); anything else: no-op."""
+        if not isinstance(handle, Receive):
+            return
+        handle.cancel()
+        with self._lock:
+            self._handles.discard(handle)
+
+    def snapshot_locked(self) -> list[Receive]:
+        """Under the plane lock: the receives in flight."""
+        return list(self._handles)
+
+
+class ConnectionPool(Generic[K, C]):
+    """Consumer side: idle connections ``C`` per producer endpoint ``K`` (at most
+    ``max_idle_per_peer`` each), and the endpoints seen for each producer node id.
+
+    Closing the connections it hands out or refuses is the caller's job (``C`` is opaque here).
+    """
+
+    def __init__(self, lock: threading.Lock, max_idle_per_peer: int):
+        self._lock = lock
+        self._max_idle = max_idle_per_peer
+        self._idle: dict[K, list[C]] = {}
+        self._endpoints: dict[str, set[K]] = {}
+        self._closed = False
+
+    def take(self, key: K) -> C | None:
+        """An idle connection to ``key``, or None."""
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        return None
+
+    def put(self, key: K, conn: C, keep: bool = True) -> bool:
+        """Pool ``conn`` if ``keep`` and there is room; False: the caller must close it."""
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if keep and not self._closed and len(idle) < self._max_idle:
+                idle.append(conn)
+                return True
+        return False
+
+    def note_locked(self, node: str, key: K) -> None:
+        """Under the plane lock: producer ``node`` serves at ``key``."""
+        self._endpoints.setdefault(node, set()).add(key)
+
+    def forget(self, node: str) -> list[C]:
+        """Remove and return the idle connections to producer ``node``."""
+        with self._lock:
+            return [c for key in self._endpoints.pop(node, ()) for c in self._idle.pop(key, [])]
+
+    def close_locked(self) -> list[C]:
+        """Under the plane lock: pool nothing more; remove and return every idle connection."""
+        self._closed = True
+        out = [c for conns in self._idle.values() for c in conns]
+        self._idle.clear()
+        self._endpoints.clear()
+        return out
