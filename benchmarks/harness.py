@@ -1,0 +1,771 @@
+"""Consumer side and orchestration of the ectransport benchmark (see ``docs/performance.md``).
+
+The producer side runs in another OS process (``benchmarks/server.py``). This process measures,
+for each entry size, in the same run and interleaved rep by rep (A/B/A/B, order reversed on odd
+reps to cancel drift):
+
+* ectransport fetches over each plane, CURVE on (and off);
+* the raw plane without ectransport: NIXL READ between two agents, ucxx tag send/recv, TCP
+  ``sendall``/``recv_into``;
+* single-core memcpy (``numpy.copyto`` into a pre-faulted buffer);
+* the safetensors save+load path (vLLM's ECExampleConnector) on /dev/shm and on a disk-backed dir;
+* local recompute with the demo's ReferenceEncoder (separately: it is 100-1000x slower).
+
+Results are a dict (see :func:`run`), written as JSON by ``report.py`` with the ratio table, a PNG
+and ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+HIDDEN = 3584  # Qwen2-VL-7B; one row = 7168 bytes (bf16)
+BLOCK = HIDDEN * 2
+MiB = 1 << 20
+
+SIZES = {  # label -> target bytes (rounded to whole rows of BLOCK bytes)
+    "64KiB": 64 * 1024,
+    "1MiB": MiB,
+    "4.7MiB": int(4.7 * MiB),
+    "8.8MiB": int(8.8 * MiB),
+    "42MiB": 42 * MiB,
+    "64MiB": 64 * MiB,
+}
+
+TARGETS = {
+    "single_8.8MiB_vs_raw_nixl": 1.25,
+    "pipelined_ge4MiB_fraction_of_raw": 0.85,
+    "control_rtt_plain_s": 150e-6,
+    "control_rtt_curve_s": 250e-6,
+    "speedup_vs_safetensors_8.8MiB": 5.0,
+}
+
+
+@dataclass
+class Config:
+    mode: str = "quick"
+    sizes: list[str] = field(default_factory=lambda: ["1MiB", "8.8MiB"])
+    planes: list[str] = field(default_factory=lambda: ["nixl", "tcp"])
+    curve_off: bool = False  # also measure ectransport with plain ZMQ
+    warmup: int = 3
+    reps: int = 15  # latency samples per path and size (after warm-up)
+    thr_reps: int = 5  # throughput repetitions
+    inflight: list[int] = field(default_factory=lambda: [4])
+    thr_min_bytes: int = 4 * MiB  # pipelined throughput for sizes >= this
+    consumers: list[int] = field(default_factory=list)
+    consumers_size: str = "8.8MiB"
+    rtt_samples: int = 40
+    recompute_reps: int = 5
+    recompute_direct_max: int = 9 * MiB  # larger sizes: per-token time of the largest direct size
+    safetensors: bool = True
+
+    @classmethod
+    def quick(cls) -> Config:
+        # recompute: direct at 1 MiB only, the 8.8 MiB figure is its per-token time scaled
+        return cls(recompute_direct_max=2 * MiB, warmup=2, reps=9, rtt_samples=30)
+
+    @classmethod
+    def full(cls) -> Config:
+        return cls(mode="full", sizes=list(SIZES), planes=["nixl", "tcp", "ucx"], curve_off=True,
+                   warmup=3, reps=25, thr_reps=5, inflight=[1, 4, 16], consumers=[1, 2, 8],
+                   rtt_samples=200)
+
+
+def rows_of(label: str) -> int:
+    return max(1, round(SIZES[label] / BLOCK))
+
+
+def copies_of(nbytes: int) -> int:
+    """Distinct entries per size on the producer (max pipelining depth for that size)."""
+    return 16 if nbytes <= 9 * MiB else 4
+
+
+def stats(xs: list[float]) -> dict:
+    s = sorted(xs)
+    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+    return {"p50": statistics.median(s), "p99": p99, "min": s[0], "max": s[-1], "n": len(s)}
+
+
+#: UCX variables the user set before the benchmark started; any other UCX_* variable was put in
+#: os.environ by ``import ucxx`` (UCX_RNDV_THRESH=8192, ...), which would change how NIXL agents
+#: created later in this process talk UCX (measured: UCX_RNDV_THRESH=8192 in the READ initiator's
+#: environment makes an 8.8 MiB NIXL READ 40-120 ms instead of ~1-1.5 ms here).
+_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
+
+
+@contextlib.contextmanager
+def nixl_env():
+    """Create NIXL agents without the UCX variables ucxx's import injected (restored after)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ)
+             if k.startswith("UCX_") and k not in _USER_UCX_ENV}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- producer process ---------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, cfg: Config, sizes: list[int], keydir: Path):
+        from ectransport.control.keys import allow_key, generate_keypair
+
+        generate_keypair(keydir / "keys", "producer")
+        generate_keypair(keydir / "keys", "consumer")
+        allow_key(keydir / "allow", keydir / "keys" / "consumer.key")
+        self.consumer_secret = str(keydir / "keys" / "consumer.key_secret")
+        conf = {"sizes": sizes, "planes": cfg.planes, "hidden": HIDDEN,
+                "copies": [copies_of(n) for n in sizes], "insecure_too": cfg.curve_off,
+                "producer_secret": str(keydir / "keys" / "producer.key_secret"),
+                "allow_dir": str(keydir / "allow")}
+        self.errf = open(keydir / "server.stderr", "w+")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "server.py"), "--config",
+                                      json.dumps(conf)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.errf, text=True)
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [q.put(ln) for ln in self.proc.stdout] + [q.put(None)],
+                         daemon=True).start()
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.errf.seek(0)
+                raise RuntimeError("benchmark server failed to start:\n" + self.errf.read()[-3000:])
+            if line.startswith("{"):
+                self.info = json.loads(line)["ready"]
+                return
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=20)
+        except Exception:
+            self.proc.kill()
+        self.errf.close()
+
+
+# -- paths: each has setup(), one(size_index, slot) -> seconds, window(size_index, k, m) ----------
+
+
+class EctPath:
+    def __init__(self, name: str, plane: str, curve: bool, server: Server, sizes: list[int],
+                 max_k: dict[int, int]):
+        from ectransport.node.common import Layout, Security
+        from ectransport.node.consumer import ConsumerNode, ProducerAddress
+
+        self.name, self.plane, self.curve = name, plane, curve
+        ect = server.info["ect"]["curve" if curve else "plain"]
+        self.addr = ProducerAddress("127.0.0.1", ect["port"], ect["public_key"] if curve else None)
+        sec = Security.from_files(server.consumer_secret) if curve else Security(insecure=True)
+        # landing region: max_k[i] entries of size i in flight, plus one being given back
+        need = max(-(-sizes[i] // BLOCK) * (k + 1) for i, k in max_k.items())
+        with nixl_env() if plane == "nixl" else contextlib.nullcontext():
+            self.node = ConsumerNode(layout=Layout(hidden=HIDDEN),
+                                     region_bytes=need * BLOCK + BLOCK, security=sec,
+                                     planes=(plane,), fetch_timeout_s=60.0)
+        self.node.connect(self.addr, timeout_s=30.0)
+        self.transport = self.node.plane_transports().get(plane, plane)
+        self.rtts: list[float] = []
+
+    def one(self, i: int, slot: int) -> float:
+        t0 = time.perf_counter()
+        out = self.node.fetch(self.addr, f"s{i}-c{slot}")
+        dt = time.perf_counter() - t0
+        if not out.ok:
+            raise RuntimeError(f"{self.name}: fetch missed: {out.reason} {out.detail}")
+        t = out.timings
+        if "ack" in t and "req" in t:
+            self.rtts.append(t["ack"] - t["req"])
+        del out  # zero copy: dropping the Fetched returns its blocks to the region
+        return dt
+
+    def window(self, i: int, k: int, m: int) -> float:
+        """m fetches of size i with k in flight (one distinct key per slot); wall seconds."""
+        node, addr = self.node, self.addr
+        left = m
+        t0 = time.perf_counter()
+        pending = {}
+        for slot in range(min(k, m)):
+            pending[node.submit(addr, f"s{i}-c{slot}")] = slot
+            left -= 1
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            free = []
+            for f in done:
+                free.append(pending.pop(f))
+                r = f.result()
+                if not r.ok:
+                    raise RuntimeError(f"{self.name}: fetch missed: {r.reason} {r.detail}")
+            # a Future holds its Fetched (and so the pinned landing blocks): drop both before
+            # the next submit so the blocks are back in the region first
+            del done, f, r
+            for slot in free:
+                if left:
+                    pending[node.submit(addr, f"s{i}-c{slot}")] = slot
+                    left -= 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.node.close()
+
+
+def _slots(n: int, nbytes: int) -> list[np.ndarray]:
+    out = []
+    for _ in range(n):
+        b = np.empty(nbytes, np.uint8)
+        b[::4096] = 0
+        out.append(b)
+    return out
+
+
+class RawNixl:
+    _ids = itertools.count()
+
+    def __init__(self, server: Server, sizes: list[int], slots: int):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        r = server.info["raw"]["nixl"]
+        self.name = "raw-nixl"
+        self.remote = r["agent"]
+        self.descs = r["descs"]
+        with nixl_env():
+            self.agent = nixl_agent(f"bench-raw-consumer-{next(self._ids)}",
+                                    nixl_agent_config(backends=["UCX"]))
+        self.bufs = _slots(slots, max(sizes))
+        self.reg = self.agent.register_memory(
+            [(int(b.ctypes.data), b.nbytes, 0, "") for b in self.bufs], "DRAM")
+        self.agent.add_remote_agent(base64.b64decode(r["meta"]))
+        self.transport = "nixl/UCX (raw agents)"
+
+    def _post(self, i: int, slot: int):
+        addr, n = self.descs[i]
+        ldl = self.agent.get_xfer_descs([(int(self.bufs[slot].ctypes.data), n, 0)], "DRAM")
+        rdl = self.agent.get_xfer_descs([(addr, n, 0)], "DRAM")
+        x = self.agent.initialize_xfer("READ", ldl, rdl, self.remote, b"")
+        st = self.agent.transfer(x)
+        if st == "ERR":
+            raise RuntimeError("raw nixl: transfer failed")
+        return x
+
+    def _poll(self, x) -> bool:
+        st = self.agent.check_xfer_state(x)
+        if st == "ERR":
+            raise RuntimeError("raw nixl: transfer failed")
+        if st == "DONE":
+            x.release()
+            return True
+        return False
+
+    def one(self, i: int, slot: int) -> float:
+        t0 = time.perf_counter()
+        x = self._post(i, slot % len(self.bufs))
+        while not self._poll(x):
+            pass
+        return time.perf_counter() - t0
+
+    def window(self, i: int, k: int, m: int) -> float:
+        t0 = time.perf_counter()
+        left = m
+        live = []
+        for slot in range(min(k, m)):
+            live.append((self._post(i, slot), slot))
+            left -= 1
+        while live:
+            nxt = []
+            for x, slot in live:
+                if self._poll(x):
+                    if left:
+                        nxt.append((self._post(i, slot), slot))
+                        left -= 1
+                else:
+                    nxt.append((x, slot))
+            live = nxt
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self.reg)
+        except Exception:
+            pass
+
+
+class RawTcp:
+    def __init__(self, server: Server, sizes: list[int], slots: int):
+        self.name = "raw-tcp"
+        self.port = server.info["raw"]["tcp"]["port"]
+        self.sizes = sizes
+        self.bufs = _slots(slots, max(sizes))
+        self.socks = []
+        for _ in range(slots):
+            s = socket.create_connection(("127.0.0.1", self.port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(s)
+        self.transport = "TCP loopback, sendall/recv_into, 1 connection per in-flight transfer"
+
+    def _get(self, i: int, slot: int) -> None:
+        from server import ROWS_HEADER  # noqa: PLC0415
+
+        s = self.socks[slot]
+        s.sendall(ROWS_HEADER.pack(i))
+        view = memoryview(self.bufs[slot])[: self.sizes[i]]
+        got, n = 0, self.sizes[i]
+        while got < n:
+            r = s.recv_into(view[got:])
+            if r == 0:
+                raise RuntimeError("raw tcp: server closed")
+            got += r
+
+    def one(self, i: int, slot: int) -> float:
+        t0 = time.perf_counter()
+        self._get(i, slot % len(self.socks))
+        return time.perf_counter() - t0
+
+    def window(self, i: int, k: int, m: int) -> float:
+        per = [m // k + (1 if s < m % k else 0) for s in range(k)]
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=lambda s=s: [self._get(i, s) for _ in range(per[s])])
+               for s in range(k)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+class RawUcxx:
+    def __init__(self, server: Server, sizes: list[int], slots: int):
+        import ucxx
+
+        self.name = "raw-ucx"
+        self.sizes = sizes
+        self.port = server.info["raw"]["ucx"]["port"]
+        self.loop = asyncio.new_event_loop()
+
+        async def connect():
+            return [await ucxx.create_endpoint("127.0.0.1", self.port,
+                                               endpoint_error_handling=False)
+                    for _ in range(slots)]
+
+        self.eps = self.loop.run_until_complete(connect())
+        self.bufs = _slots(slots, max(sizes))
+        try:
+            tls = ucxx.get_active_transports()
+        except Exception:
+            tls = "?"
+        self.transport = f"ucxx tag send/recv, endpoint error handling off ({tls})"
+
+    async def _get(self, i: int, slot: int) -> None:
+        from server import ROWS_HEADER  # noqa: PLC0415
+
+        ep = self.eps[slot]
+        await ep.send(np.frombuffer(ROWS_HEADER.pack(i), np.uint8))
+        await ep.recv(self.bufs[slot][: self.sizes[i]])
+
+    def one(self, i: int, slot: int) -> float:
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(self._get(i, slot % len(self.eps)))
+        return time.perf_counter() - t0
+
+    def window(self, i: int, k: int, m: int) -> float:
+        per = [m // k + (1 if s < m % k else 0) for s in range(k)]
+
+        async def lane(s: int) -> None:
+            for _ in range(per[s]):
+                await self._get(i, s)
+
+        async def all_lanes() -> None:
+            await asyncio.gather(*(lane(s) for s in range(k)))
+
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(all_lanes())
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        async def shut():
+            for ep in self.eps:
+                try:
+                    await ep.close()
+                except Exception:
+                    pass
+
+        try:
+            self.loop.run_until_complete(shut())
+        except Exception:
+            pass
+
+
+class Memcpy:
+    name = "memcpy"
+
+    def __init__(self, sizes: list[int]):
+        rng = np.random.default_rng(1)
+        self.src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        self.dst = _slots(1, max(sizes))[0]
+
+    def one(self, i: int, slot: int) -> float:
+        src = self.src[i]
+        dst = self.dst[: src.nbytes]
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+
+class Safetensors:
+    """vLLM ECExampleConnector's path: the producer ``save_file``s the tensor into a shared
+    directory, the consumer ``load_file``s it (no fsync, as in vLLM); timed save + load."""
+
+    def __init__(self, name: str, directory: Path, sizes: list[int]):
+        import torch
+
+        self.name = name
+        self.dir = directory
+        rng = np.random.default_rng(2)
+        self.tensors = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
+                        .view(torch.bfloat16).reshape(-1, HIDDEN) for n in sizes]
+
+    def one(self, i: int, slot: int) -> float:
+        from safetensors.torch import load_file, save_file
+
+        path = str(self.dir / f"entry-{i}-{slot}.safetensors")
+        t0 = time.perf_counter()
+        save_file({"ec_cache": self.tensors[i]}, path)
+        out = load_file(path)["ec_cache"]
+        dt = time.perf_counter() - t0
+        del out
+        os.unlink(path)
+        return dt
+
+
+# -- measurements -------------------------------------------------------------------------------
+
+
+def interleaved(paths: list, i: int, warmup: int, reps: int, slots: int) -> dict[str, list[float]]:
+    """One sample per path per rep, A/B/A/B, order reversed on odd reps; warm-up discarded."""
+    samples: dict[str, list[float]] = {p.name: [] for p in paths}
+    for rep in range(warmup + reps):
+        order = paths if rep % 2 == 0 else paths[::-1]
+        for p in order:
+            dt = p.one(i, rep % slots)
+            if rep >= warmup:
+                samples[p.name].append(dt)
+    return samples
+
+
+def throughput(paths: list, i: int, nbytes: int, k: int, reps: int) -> dict[str, dict]:
+    m = max(2 * k, 8)
+    out: dict[str, list[float]] = {p.name: [] for p in paths}
+    for rep in range(reps + 1):  # rep 0 is a warm-up
+        order = paths if rep % 2 == 0 else paths[::-1]
+        for p in order:
+            dt = p.window(i, k, m)
+            if rep:
+                out[p.name].append(m * nbytes / dt / 1e9)
+    res = {}
+    for name, xs in out.items():
+        res[name] = {"gbps": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
+                     "entries_per_rep": m}
+    return res
+
+
+def recompute(cfg: Config, labels: list[str], sizes: list[int]) -> dict:
+    import torch
+
+    from ectransport.demo.encoder import FACTOR, ReferenceEncoder
+
+    enc = ReferenceEncoder(hidden=HIDDEN, dtype="bfloat16", seed=0)
+    out: dict = {}
+    per_token = None
+    per_token_label = ""
+    for label, n in sorted(zip(labels, sizes, strict=True), key=lambda x: x[1]):
+        tokens = n // BLOCK
+        if n > cfg.recompute_direct_max and per_token is not None:
+            out[label] = {**{k: v * tokens for k, v in per_token.items()}, "method":
+                          f"scaled: per-token time of {per_token_label} x {tokens} tokens"}
+            continue
+        a = max(1, int(math.sqrt(tokens)))
+        b = -(-tokens // a)
+        pix = torch.randn(3, FACTOR * a, FACTOR * b, generator=torch.Generator().manual_seed(0))
+        xs = []
+        for rep in range(1 + cfg.recompute_reps):
+            t0 = time.perf_counter()
+            enc.encode_pixels(pix)
+            if rep:
+                xs.append(time.perf_counter() - t0)
+        st = stats(xs)
+        scale = tokens / (a * b)
+        out[label] = {k: (v * scale if k != "n" else v) for k, v in st.items()}
+        out[label]["method"] = (f"direct: encode_pixels of a {FACTOR * a}x{FACTOR * b} image "
+                                f"({a * b} tokens) scaled to {tokens} tokens")
+        per_token = {k: v / tokens for k, v in out[label].items() if k in ("p50", "p99", "min",
+                                                                           "max")}
+        per_token_label = label
+    return out
+
+
+def control_rtt(cfg: Config, server: Server, ect_paths: dict, small: int) -> dict:
+    """XferReq→XferAck as the consumer sees it (Fetched.timings ack - req) for the smallest size,
+    interleaved with a raw pyzmq DEALER→ROUTER echo of a 170-byte frame (the physical floor)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    res = {}
+    for mode in ("plain", "curve"):
+        ect = ect_paths.get(mode)
+        z = server.info["zmq"][mode]
+        d = ctx.socket(zmq.DEALER)
+        if mode == "curve":
+            pub, sec = zmq.curve_keypair()
+            d.curve_serverkey = z["server_key"].encode()
+            d.curve_publickey, d.curve_secretkey = pub, sec
+        d.connect(f"tcp://127.0.0.1:{z['port']}")
+        frame = os.urandom(170)
+        raw = []
+        if ect is not None:
+            ect.rtts.clear()
+        for rep in range(cfg.warmup + cfg.rtt_samples):
+            t0 = time.perf_counter()
+            d.send(frame)
+            d.recv()
+            dt = time.perf_counter() - t0
+            if ect is not None:
+                ect.one(small, rep % 16)
+            if rep >= cfg.warmup:
+                raw.append(dt)
+        d.close(linger=0)
+        res[f"raw-zmq-{mode}"] = stats(raw)
+        if ect is not None:
+            res[f"ect-{mode}"] = stats(ect.rtts[cfg.warmup:])
+    return res
+
+
+def run(cfg: Config) -> dict:
+    labels = cfg.sizes
+    sizes = [rows_of(lb) * BLOCK for lb in labels]
+    t_start = time.time()
+    load0 = os.getloadavg()
+    log(f"mode={cfg.mode} sizes={labels} planes={cfg.planes} load average {load0}")
+    result: dict = {
+        "meta": {
+            "mode": cfg.mode, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_start": load0,
+            "config": cfg.__dict__, "block_bytes": BLOCK, "hidden": HIDDEN,
+            "method": {
+                "processes": "producer = benchmarks/server.py subprocess; consumer = this process",
+                "warmup": f"first {cfg.warmup} samples of every path and size discarded "
+                          f"(they pay UCX/NIXL registration, connection set-up, page faults); "
+                          f"throughput: 1 warm-up rep discarded",
+                "buffers": "every source/destination buffer and region pre-touched (one write per "
+                           "4 KiB page) before timing",
+                "interleave": "per rep one sample of every path, A/B/A/B, order reversed on odd "
+                              "reps",
+            },
+        },
+        "sizes": {lb: n for lb, n in zip(labels, sizes, strict=True)},
+        "versions": _versions(),
+        "transports": {}, "latency": {}, "throughput": {}, "consumers": {}, "errors": {},
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="ect-bench-"))
+    disk_dir = Path(tempfile.mkdtemp(prefix="ect-bench-disk-", dir="/var/tmp"))
+    shm_dir = Path(tempfile.mkdtemp(prefix="ect-bench-", dir="/dev/shm"))
+    server = None
+    opened: list = []
+    try:
+        t0 = time.perf_counter()
+        server = Server(cfg, sizes, tmp)
+        result["errors"].update(server.info.get("errors", {}))
+        result["transports"]["producer"] = server.info["ect"]["curve"]["transports"]
+        log(f"producer process {server.info['pid']} ready in {time.perf_counter() - t0:.1f} s")
+        max_k = {i: min(max(cfg.inflight or [1]), copies_of(n)) for i, n in enumerate(sizes)}
+        slots = max([1, *max_k.values()])
+        ect: dict[tuple[str, bool], EctPath] = {}
+        for plane in cfg.planes:
+            for curve in ([True, False] if cfg.curve_off else [True]):
+                name = f"ect-{plane}" + ("" if curve else "-plain")
+                p = EctPath(name, plane, curve, server, sizes,
+                            max_k if curve else dict.fromkeys(max_k, 1))
+                ect[(plane, curve)] = p
+                opened.append(p)
+                result["transports"][name] = p.transport
+        raw: dict[str, object] = {}
+        for plane, cls in (("nixl", RawNixl), ("tcp", RawTcp), ("ucx", RawUcxx)):
+            if plane not in cfg.planes or plane not in server.info["raw"]:
+                continue
+            try:
+                raw[plane] = cls(server, sizes, slots)
+                opened.append(raw[plane])
+                result["transports"][raw[plane].name] = raw[plane].transport
+            except Exception as e:
+                result["errors"][f"raw-{plane}"] = f"{type(e).__name__}: {e}"
+                log(f"raw {plane} unavailable: {e}")
+        mem = Memcpy(sizes)
+        extras: list = [mem]
+        if cfg.safetensors:
+            extras += [Safetensors("safetensors-shm", shm_dir, sizes),
+                       Safetensors("safetensors-disk", disk_dir, sizes)]
+
+        # latency, one at a time
+        lat_paths = []
+        for plane in cfg.planes:
+            lat_paths += [p for (pl, _), p in ect.items() if pl == plane]
+            if plane in raw:
+                lat_paths.append(raw[plane])
+        lat_paths += extras
+        for i, lb in enumerate(labels):
+            t0 = time.perf_counter()
+            reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
+            samples = interleaved(lat_paths, i, cfg.warmup, reps, copies_of(sizes[i]))
+            result["latency"][lb] = {k: stats(v) for k, v in samples.items()}
+            log(f"latency {lb}: {reps} reps x {len(lat_paths)} paths in "
+                f"{time.perf_counter() - t0:.1f} s")
+
+        # pipelined throughput
+        thr_paths = []
+        for plane in cfg.planes:
+            thr_paths.append(ect[(plane, True)])
+            if plane in raw:
+                thr_paths.append(raw[plane])
+        for i, lb in enumerate(labels):
+            if sizes[i] < cfg.thr_min_bytes:
+                continue
+            result["throughput"][lb] = {}
+            done_k: set[int] = set()
+            for k in cfg.inflight:
+                kk = min(k, copies_of(sizes[i]))
+                if kk in done_k:  # capped to a depth already measured for this size
+                    continue
+                done_k.add(kk)
+                t0 = time.perf_counter()
+                r = throughput(thr_paths, i, sizes[i], kk, cfg.thr_reps)
+                result["throughput"][lb][str(k)] = {"inflight": kk, **r}
+                log(f"throughput {lb} k={kk}: {time.perf_counter() - t0:.1f} s")
+
+        # N consumers on one producer
+        if cfg.consumers:
+            result["consumers"] = consumers(cfg, server, labels, sizes, ect)
+
+        # control plane round trip
+        small = int(np.argmin(sizes))
+        rtt_paths = {"curve": ect.get(("nixl", True)) or ect.get((cfg.planes[0], True))}
+        if cfg.curve_off:
+            rtt_paths["plain"] = ect.get(("nixl", False)) or ect.get((cfg.planes[0], False))
+        t0 = time.perf_counter()
+        result["control_rtt"] = control_rtt(cfg, server, rtt_paths, small)
+        result["control_rtt"]["entry_bytes"] = sizes[small]
+        log(f"control round trip: {time.perf_counter() - t0:.1f} s")
+
+        # recompute
+        t0 = time.perf_counter()
+        result["recompute"] = recompute(cfg, labels, sizes)
+        log(f"recompute: {time.perf_counter() - t0:.1f} s")
+    finally:
+        for p in opened:
+            try:
+                p.close()
+            except Exception:
+                pass
+        if server is not None:
+            server.close()
+        for d in (tmp, disk_dir, shm_dir):
+            shutil.rmtree(d, ignore_errors=True)
+    result["meta"]["loadavg_end"] = os.getloadavg()
+    result["meta"]["duration_s"] = time.time() - t_start
+    return result
+
+
+def consumers(cfg: Config, server: Server, labels: list[str], sizes: list[int],
+              ect: dict) -> dict:
+    """N ConsumerNodes (one process, one thread each, 1 in flight each) fetching the same size
+    from one producer vs N raw NIXL agents doing the same; aggregate GB/s."""
+    i = labels.index(cfg.consumers_size) if cfg.consumers_size in labels else int(np.argmax(sizes))
+    nbytes = sizes[i]
+    plane = "nixl" if "nixl" in cfg.planes else cfg.planes[0]
+    per = 4
+    res: dict = {"size": labels[i], "plane": plane, "fetches_per_consumer_per_rep": per}
+    for n in cfg.consumers:
+        eps = [EctPath(f"ect-{plane}", plane, True, server, sizes, {i: 1}) for _ in range(n)]
+        raws = []
+        if plane == "nixl" and "nixl" in server.info["raw"]:
+            raws = [RawNixl(server, [nbytes if j == i else 1 for j in range(len(sizes))], 1)
+                    for _ in range(n)]
+        groups = [("ect-" + plane, eps)] + ([("raw-nixl", raws)] if raws else [])
+        got: dict[str, list[float]] = {g: [] for g, _ in groups}
+        try:
+            for rep in range(cfg.thr_reps + 1):
+                order = groups if rep % 2 == 0 else groups[::-1]
+                for gname, members in order:
+                    bar = threading.Barrier(n + 1)
+
+                    def work(p, c, bar=bar, n=n):
+                        bar.wait()
+                        for f in range(per):
+                            p.one(i, (c + f * n) % 16 if nbytes <= 9 * MiB else c % 4)
+
+                    ths = [threading.Thread(target=work, args=(p, c))
+                           for c, p in enumerate(members)]
+                    for t in ths:
+                        t.start()
+                    bar.wait()
+                    t0 = time.perf_counter()
+                    for t in ths:
+                        t.join()
+                    dt = time.perf_counter() - t0
+                    if rep:
+                        got[gname].append(n * per * nbytes / dt / 1e9)
+        finally:
+            for p in eps + raws:
+                p.close()
+        res[str(n)] = {g: {"gbps": statistics.median(x), "min": min(x), "max": max(x),
+                           "n": len(x)} for g, x in got.items()}
+        log(f"{n} consumers done")
+    return res
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for d in ("ectransport", "nixl", "ucxx-cu12", "pyzmq", "numpy", "torch", "safetensors",
+              "msgspec"):
+        try:
+            out[d] = version(d)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+sys.path.insert(0, str(HERE))  # raw paths import server.ROWS_HEADER

@@ -1,0 +1,82 @@
+"""Where does one ectransport fetch spend its time? (a profiling aid for docs/performance.md)
+
+    python benchmarks/profile_fetch.py [--plane nixl] [--size 8.8MiB] [-n 200] [--plain]
+    py-spy record --subprocesses -o prof.svg -- python benchmarks/profile_fetch.py -n 500
+
+Starts the benchmark server (producer process) and fetches one size repeatedly, printing the
+p50/min of each phase of ``Fetched.timings`` (req: submit → XferReq sent; ack: → XferAck; posted:
+→ data-plane transfer posted; landed: → bytes landed; total) next to the wall time of fetch().
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plane", default="nixl")
+    ap.add_argument("--size", default="8.8MiB", choices=list(harness.SIZES))
+    ap.add_argument("-n", type=int, default=200)
+    ap.add_argument("--plain", action="store_true", help="no CURVE")
+    ap.add_argument("--busy-timeout-us", type=float, default=None,
+                    help="experiment: make the consumer loop poll with this timeout instead of "
+                         "spinning (poll(0)) while a transfer is in flight (monkeypatch)")
+    a = ap.parse_args()
+    if a.busy_timeout_us is not None:
+        _patch_busy_poll(a.busy_timeout_us * 1e-6)
+    cfg = harness.Config(planes=[a.plane], curve_off=a.plain, sizes=[a.size])
+    nbytes = harness.rows_of(a.size) * harness.BLOCK
+    with tempfile.TemporaryDirectory() as tmp:
+        server = harness.Server(cfg, [nbytes], Path(tmp))
+        try:
+            p = harness.EctPath("ect", a.plane, not a.plain, server, [nbytes], {0: 1})
+            phases: dict[str, list[float]] = {}
+            walls = []
+            for k in range(a.n + 5):
+                t0 = time.perf_counter()
+                out = p.node.fetch(p.addr, f"s0-c{k % 16}")
+                wall = time.perf_counter() - t0
+                assert out.ok, out
+                if k >= 5:
+                    walls.append(wall)
+                    prev = 0.0
+                    for ph in ("req", "ack", "posted", "landed", "total"):
+                        v = out.timings.get(ph)
+                        if v is not None:
+                            phases.setdefault(ph, []).append(v - prev)
+                            prev = v
+                del out
+            p.close()
+        finally:
+            server.close()
+    print(f"{a.plane} {a.size} {'plain' if a.plain else 'CURVE'}: {a.n} fetches")
+    for ph, xs in phases.items():
+        print(f"  {ph:7s} +{statistics.median(xs) * 1e6:8.0f} µs p50  (min {min(xs) * 1e6:6.0f})")
+    print(f"  wall    {statistics.median(walls) * 1e6:9.0f} µs p50  (min {min(walls) * 1e6:6.0f})")
+
+
+def _patch_busy_poll(timeout_s: float) -> None:
+    """Re-define ConsumerNode._step with ``timeout = <timeout_s> if busy`` (measurement only)."""
+    import inspect
+    import textwrap
+
+    from ectransport.node import consumer
+
+    src = textwrap.dedent(inspect.getsource(consumer.ConsumerNode._step))
+    assert "0.0 if busy" in src
+    ns: dict = {}
+    exec(src.replace("0.0 if busy", f"{timeout_s!r} if busy"), vars(consumer), ns)  # noqa: S102
+    consumer.ConsumerNode._step = ns["_step"]
+
+
+if __name__ == "__main__":
+    main()
