@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ectransport.control.base import ControlServer
 from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
@@ -84,8 +85,6 @@ class ProducerNode:
         control_options: Mapping[str, Any] | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
     ):
-        from ectransport.control.zmqctl import ZmqControlServer
-
         self._observers: list[Callable[[str, dict[str, Any]], None]] = \
             [observer] if observer is not None else []
 
@@ -121,21 +120,34 @@ class ProducerNode:
 
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
             self._allow = allow
-            self._control = ZmqControlServer(
-                host, port, secret_key=security.secret_key, public_key=security.public_key,
-                allow=allow, insecure=security.insecure, **dict(control_options or {}))
+            self._control = self._make_control(host, port, security, allow,
+                                               dict(control_options or {}))
         except BaseException:
             self._close_resources()
             raise
         self.public_key = security.public_key
-        self.session = ProducerSession(
+        self.session = self._make_session(
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes,
-                           versions=tuple(versions)),
-            self.store, {n: p.describe for n, p in self._planes.items()}, observer=self._observe)
+                           versions=tuple(versions)))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    # -- construction hooks (a wire-compatibility profile overrides these) -----------------------
+    def _make_control(self, host: str, port: int, security: Security, allow: Any,
+                      options: dict[str, Any]) -> ControlServer:
+        """The control server: ECTP over ZeroMQ with CURVE by default."""
+        from ectransport.control.zmqctl import ZmqControlServer
+
+        return ZmqControlServer(host, port, secret_key=security.secret_key,
+                                public_key=security.public_key, allow=allow,
+                                insecure=security.insecure, **options)
+
+    def _make_session(self, config: ProducerConfig) -> ProducerSession:
+        """The sans-I/O session the loop drives (same event/command interface for any profile)."""
+        return ProducerSession(config, self.store, {n: p.describe for n, p in self._planes.items()},
+                               observer=self._observe)
 
     # -- public API ----------------------------------------------------------------------------
     @property

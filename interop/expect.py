@@ -1,0 +1,50 @@
+"""Checking observed outcomes against expectations (pure functions; unit-tested).
+
+A step deviates when its observed outcome is not one of the allowed ones, when ``ok`` comes
+without verified bytes, or when the expected plane differs from the plane used. In particular a
+step that *works* where a refusal was expected is a deviation, never a pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from interop.spec import Expect
+
+
+@dataclass
+class Observed:
+    """What one step gave. ``bytes_ok`` is None when no bytes were involved (connect, miss)."""
+
+    outcome: str
+    plane: str = ""
+    seconds: float = 0.0
+    bytes_ok: bool | None = None
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def deviation(expect: Expect, obs: Observed, mode: str) -> str | None:
+    """None if ``obs`` meets ``expect`` in this topology ``mode``, else why not (one line)."""
+    allowed = expect.allowed(mode)
+    if obs.outcome not in allowed:
+        if obs.outcome == "ok" and all(a != "ok" for a in allowed):
+            return f"succeeded where {'|'.join(allowed)} was expected (a refusal did not happen)"
+        return f"observed {obs.outcome}, expected {'|'.join(allowed)}"
+    if obs.outcome == "ok" and obs.bytes_ok is False:
+        return "bytes differ from the producer's"
+    if expect.plane and obs.outcome == "ok" and obs.plane and obs.plane != expect.plane:
+        return f"plane {obs.plane}, expected {expect.plane}"
+    return None
+
+
+def outcome_of(result: dict[str, Any]) -> Observed:
+    """A node process's JSON answer → :class:`Observed`."""
+    return Observed(outcome=str(result.get("outcome", "error:NoAnswer")),
+                    plane=str(result.get("plane") or ""),
+                    seconds=float(result.get("seconds") or 0.0),
+                    bytes_ok=result.get("bytes_ok"),
+                    detail=str(result.get("detail") or "")[:300],
+                    extra={k: v for k, v in result.items()
+                           if k not in {"outcome", "plane", "seconds", "bytes_ok", "detail"}})

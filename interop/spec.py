@@ -1,0 +1,171 @@
+"""Declarative descriptions: nodes, entries, steps, expected outcomes, cells.
+
+Everything here is plain data (dataclasses that round-trip through JSON), so a node can be handed
+to its process as one JSON document and a cell can be printed in the report.
+
+Outcome strings (observed and expected):
+
+* ``ok``: the fetch landed and the bytes equal the producer's (checked by SHA-256), or a connect
+  succeeded;
+* ``miss:<REASON>``: a :class:`~ectransport.session.MissReason` name (``miss:VERSION``);
+* ``error:<Class>``: the exception class a call raised (``error:AuthError``);
+* ``refused:<Class>``: a node could not be started (``refused:ConfigError``), including the
+  harness's own ``refused:VectorCheckFailed``;
+* vLLM's consumer session: ``vllm:completed`` / ``vllm:tombstoned`` / ``vllm:timeout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ECTP = "ectransport"  # our node, speaking ECTP
+VLLM_WIRE = "vllm-wire"  # our node, speaking vLLM's wire (ectransport.compat.vllm_wire)
+VLLM_STOCK = "vllm-stock"  # vLLM 0.33.0's own session classes
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node. ``host`` names its host slot (one network namespace / address per slot).
+
+    Attributes:
+        role: ``producer`` or ``consumer``.
+        impl: ECTP, VLLM_WIRE or VLLM_STOCK.
+        planes: data planes, best first (ECTP nodes).
+        versions: ECTP versions claimed (None: the build's own).
+        emulated: the version claim is an emulation (an older/newer node made by override): its
+            golden-vector check is *expected* to fail; otherwise a failing check refuses the node.
+        curve: CURVE on (else plain ZMQ, ``Security(insecure=True)``).
+        key: this node's key-pair name (harness key ring).
+        server_key: consumer: name of the key it believes the producer has (default: the
+            producer's own key; another name makes a server-key mismatch).
+        allow: producer: key names on its allow-list.
+        model / dtype / hidden: compatibility parameters.
+        mem_kind: memory kind of the region (only DRAM runs on this machine).
+        framework: the framework the node claims to be (reported and checked against the process).
+        region_bytes / budget_bytes: producer region and per-consumer pin budget.
+        profile: ``vllm-wire`` opt-in for VLLM_WIRE nodes (None = no opt-in).
+        options: extra constructor kwargs (``control_options``, ``session_options``, ...).
+    """
+
+    role: str
+    host: str
+    impl: str = ECTP
+    planes: tuple[str, ...] = ("nixl",)
+    versions: tuple[int, ...] | None = None
+    emulated: bool = False
+    curve: bool = True
+    key: str = ""
+    server_key: str | None = None
+    allow: tuple[str, ...] = ()
+    model: str = "org/vision-encoder"
+    dtype: str = "bfloat16"
+    hidden: int = 1024
+    mem_kind: str = "DRAM"
+    framework: str = ""
+    region_bytes: int = 32 << 20
+    budget_bytes: int | None = None
+    profile: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NodeSpec:
+        d = dict(d)
+        for k in ("planes", "allow"):
+            d[k] = tuple(d.get(k) or ())
+        if d.get("versions") is not None:
+            d["versions"] = tuple(d["versions"])
+        return cls(**d)
+
+    @property
+    def block_bytes(self) -> int:
+        from ectransport.protocol import element_size
+
+        return self.hidden * element_size(self.dtype)
+
+    def brief(self) -> str:
+        """A short label for the report."""
+        bits = [self.impl if self.impl != ECTP else "ect"]
+        if self.impl == ECTP:
+            bits.append("+".join(self.planes))
+            if self.versions:
+                star = "*" if self.emulated else ""
+                bits.append("v" + ",".join(map(str, self.versions)) + star)
+            bits.append("curve" if self.curve else "plain")
+        return "/".join(bits)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An entry the producer holds: ``rows`` rows of random bytes drawn from ``seed``."""
+
+    mm_hash: str
+    rows: int
+    seed: int
+    ready: bool = True
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Allowed outcomes of one step (any of ``outcomes``), and the plane if it matters.
+
+    ``loopback`` replaces ``outcomes`` when the run had no network namespaces (e.g. the shm plane
+    works between loopback addresses of one namespace, not across namespaces).
+    """
+
+    outcomes: tuple[str, ...]
+    plane: str | None = None
+    loopback: tuple[str, ...] | None = None
+
+    def allowed(self, mode: str) -> tuple[str, ...]:
+        if mode == "loopback" and self.loopback is not None:
+            return self.loopback
+        return self.outcomes
+
+    def label(self, mode: str) -> str:
+        s = "|".join(self.allowed(mode))
+        return f"{s} via {self.plane}" if self.plane else s
+
+
+def ok(plane: str | None = None) -> Expect:
+    return Expect(("ok",), plane)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of a cell.
+
+    ops: ``connect`` / ``fetch`` (consumer ``who``: index, or -1 for all consumers in parallel),
+    ``fetch_until_ok`` (retry up to ``timeout_s``), ``kill_producer`` (SIGKILL its process),
+    ``start_producer`` (again, same port and keys). ``mm_hash`` names an :class:`Entry` (or an
+    unknown key for a miss).
+    """
+
+    op: str
+    who: int = 0
+    mm_hash: str = ""
+    expect: Expect | None = None
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A producer, its consumers, the entries, the steps and what each step must give."""
+
+    name: str
+    group: str
+    proves: str
+    producer: NodeSpec
+    consumers: tuple[NodeSpec, ...]
+    entries: tuple[Entry, ...]
+    steps: tuple[Step, ...]
+    ci: bool = False
+    producer_expect: Expect = Expect(("ok",))
+    needs_vllm: bool = False
+
+    def hosts(self) -> list[str]:
+        return [self.producer.host, *[c.host for c in self.consumers]]
