@@ -17,13 +17,26 @@ def test_layers_only_import_downwards():
     exe = shutil.which("lint-imports")
     if exe is None:
         pytest.fail("import-linter is not installed (pip install -e '.[dev]')")
-    r = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [exe, "--config", str(ROOT / "pyproject.toml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-BANNED = {"pickle", "cPickle", "_pickle", "recv_pyobj", "send_pyobj", "marshal", "dill",
-          "cloudpickle"}
+BANNED = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "recv_pyobj",
+    "send_pyobj",
+    "marshal",
+    "dill",
+    "cloudpickle",
+}
 
 
 def banned_names(source: str) -> list[tuple[int, str]]:
@@ -36,20 +49,29 @@ def banned_names(source: str) -> list[tuple[int, str]]:
 
 
 def test_no_pickle_anywhere_in_the_package():
-    hits = [f"{p.relative_to(ROOT)}:{n}: {name}"
-            for p in PKG.rglob("*.py") for n, name in banned_names(p.read_text())]
-    assert not hits, "pickle-like calls in the package (the wire must never use pickle):\n" + \
-        "\n".join(hits)
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {name}"
+        for p in PKG.rglob("*.py")
+        for n, name in banned_names(p.read_text())
+    ]
+    assert not hits, (
+        "pickle-like calls in the package (the wire must never use pickle):\n" + "\n".join(hits)
+    )
 
 
 def test_pickle_detector_detects():
-    assert banned_names("import pickle\nx = sock.recv_pyobj()\n") == [(1, "pickle"), (2, "recv_pyobj")]
+    assert banned_names("import pickle\nx = sock.recv_pyobj()\n") == [
+        (1, "pickle"),
+        (2, "recv_pyobj"),
+    ]
     assert banned_names("# pickle\ns = 'send_pyobj'\n") == []
 
 
 def test_import_is_cheap_and_pulls_no_heavy_dependency():
-    code = ("import sys, ectransport, ectransport.node, ectransport.data.nixl, ectransport.cli.main;"
-            "print(sorted(m for m in ('nixl', 'ucxx', 'torch', 'zmq') if m in sys.modules))")
+    code = (
+        "import sys, ectransport, ectransport.node, ectransport.data.nixl, ectransport.cli.main;"
+        "print(sorted(m for m in ('nixl', 'ucxx', 'torch', 'zmq') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -20,14 +20,28 @@ from ectransport.errors import ConfigError
 
 
 def layout_options(fn):
-    fn = click.option("--hidden", default=3584, show_default=True, type=click.IntRange(1),
-                      help="Row width of an encoder output (elements): the model's inputs-embeds "
-                           "width; 3584 = Qwen2-VL-7B.")(fn)
-    fn = click.option("--dtype", default="bfloat16", show_default=True,
-                      type=click.Choice(["bfloat16", "float16", "float32"]),
-                      help="Element dtype of encoder outputs.")(fn)
-    fn = click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
-                      help="Weight seed of the reference encoder (part of the model id).")(fn)
+    fn = click.option(
+        "--hidden",
+        default=3584,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Row width of an encoder output (elements): the model's inputs-embeds "
+        "width; 3584 = Qwen2-VL-7B.",
+    )(fn)
+    fn = click.option(
+        "--dtype",
+        default="bfloat16",
+        show_default=True,
+        type=click.Choice(["bfloat16", "float16", "float32"]),
+        help="Element dtype of encoder outputs.",
+    )(fn)
+    fn = click.option(
+        "--seed",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Weight seed of the reference encoder (part of the model id).",
+    )(fn)
     return fn
 
 
@@ -47,21 +61,28 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def config_option(fn):
-    return click.option("--config", "config_file", default=None,
-                        type=click.Path(path_type=Path),
-                        help="TOML settings file (overrides the group's --config; default "
-                             "$ECTRANSPORT_CONFIG). Flags typed here win over it and over "
-                             "ECTRANSPORT_SECTION__KEY variables.")(fn)
+    return click.option(
+        "--config",
+        "config_file",
+        default=None,
+        type=click.Path(path_type=Path),
+        help="TOML settings file (overrides the group's --config; default "
+        "$ECTRANSPORT_CONFIG). Flags typed here win over it and over "
+        "ECTRANSPORT_SECTION__KEY variables.",
+    )(fn)
 
 
 #: flag parameter name → (setting, flag as typed); only flags given on the command line override.
-LAYOUT_FLAGS = {"hidden": ("layout.hidden", "--hidden"), "dtype": ("layout.dtype", "--dtype"),
-                "seed": ("layout.seed", "--seed"), "planes": ("node.planes", "--plane"),
-                "insecure": ("security.insecure", "--insecure")}
+LAYOUT_FLAGS = {
+    "hidden": ("layout.hidden", "--hidden"),
+    "dtype": ("layout.dtype", "--dtype"),
+    "seed": ("layout.seed", "--seed"),
+    "planes": ("node.planes", "--plane"),
+    "insecure": ("security.insecure", "--insecure"),
+}
 
 
-def cli_settings(ctx: click.Context, config_file: Path | None, flag_map: dict,
-                 params: dict):
+def cli_settings(ctx: click.Context, config_file: Path | None, flag_map: dict, params: dict):
     """The effective settings of a subcommand: defaults < file < environment < typed flags.
 
     Also re-applies the logging settings (the file named here may set ``[log]``)."""
@@ -74,8 +95,9 @@ def cli_settings(ctx: click.Context, config_file: Path | None, flag_map: dict,
     for param, (setting, flag) in flag_map.items():
         if ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
             v = params[param]
-            flags[setting] = str(v) if isinstance(v, Path) else list(v) if isinstance(
-                v, tuple) else v
+            flags[setting] = (
+                str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+            )
             names[setting] = flag
     loaded = load_settings(config_file, flags=flags, flag_names=names)
     log = loaded.settings.log
@@ -84,26 +106,48 @@ def cli_settings(ctx: click.Context, config_file: Path | None, flag_map: dict,
 
 
 def planes_option(fn):
-    return click.option("--plane", "planes", multiple=True, default=("nixl",), show_default=True,
-                        help="Data plane(s) to offer/use, best first (repeat the option). "
-                             "See `ectransport planes`.")(fn)
+    return click.option(
+        "--plane",
+        "planes",
+        multiple=True,
+        default=("nixl",),
+        show_default=True,
+        help="Data plane(s) to offer/use, best first (repeat the option). "
+        "See `ectransport planes`.",
+    )(fn)
 
 
 # -- demo ----------------------------------------------------------------------------------------
 
 
 @cli.command()
-@click.option("--images", type=click.Path(path_type=Path), default=None,
-              help="Folder (or single file) of images to encode. Default: the six public-domain "
-                   "photographs shipped with ectransport.")
+@click.option(
+    "--images",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder (or single file) of images to encode. Default: the six public-domain "
+    "photographs shipped with ectransport.",
+)
 @layout_options
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000),
-              help="Fetches per item (the table shows the median).")
+@click.option(
+    "--repeats",
+    default=5,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Fetches per item (the table shows the median).",
+)
 @planes_option
-@click.option("--insecure", is_flag=True,
-              help="Plain ZMQ without CURVE (not recommended; for comparison only).")
-@click.option("--json-out", type=click.Path(path_type=Path), default=None,
-              help="Also write the results as JSON to this file.")
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Plain ZMQ without CURVE (not recommended; for comparison only).",
+)
+@click.option(
+    "--json-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the results as JSON to this file.",
+)
 @config_option
 @click.pass_context
 @friendly
@@ -117,19 +161,33 @@ def demo(ctx, images, hidden, dtype, seed, repeats, planes, insecure, json_out, 
     """
     from ectransport.cli.demo import run_demo
 
-    loaded = cli_settings(ctx, config_file, {
-        **LAYOUT_FLAGS, "images": ("producer.images", "--images"),
-        "repeats": ("demo.repeats", "--repeats")}, locals())
+    loaded = cli_settings(
+        ctx,
+        config_file,
+        {
+            **LAYOUT_FLAGS,
+            "images": ("producer.images", "--images"),
+            "repeats": ("demo.repeats", "--repeats"),
+        },
+        locals(),
+    )
     s = loaded.settings
     kwargs = s.consumer_node_kwargs()
     kwargs.pop("planes")
-    ok = run_demo(images=Path(s.producer.images) if s.producer.images else None,
-                  hidden=s.layout.hidden, dtype=s.layout.dtype, seed=s.layout.seed,
-                  repeats=s.demo.repeats, planes=tuple(s.node.planes),
-                  insecure=s.security.insecure, json_out=json_out,
-                  config_file=loaded.file, node_kwargs=kwargs,
-                  start_timeout_s=s.demo.producer_start_timeout_s,
-                  stop_timeout_s=s.demo.producer_stop_timeout_s)
+    ok = run_demo(
+        images=Path(s.producer.images) if s.producer.images else None,
+        hidden=s.layout.hidden,
+        dtype=s.layout.dtype,
+        seed=s.layout.seed,
+        repeats=s.demo.repeats,
+        planes=tuple(s.node.planes),
+        insecure=s.security.insecure,
+        json_out=json_out,
+        config_file=loaded.file,
+        node_kwargs=kwargs,
+        start_timeout_s=s.demo.producer_start_timeout_s,
+        stop_timeout_s=s.demo.producer_stop_timeout_s,
+    )
     raise SystemExit(0 if ok else 1)
 
 
@@ -138,52 +196,123 @@ def demo(ctx, images, hidden, dtype, seed, repeats, planes, insecure, json_out, 
 
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Control-plane bind address.")
-@click.option("--port", default=5601, show_default=True, type=click.IntRange(0, 65535),
-              help="Control-plane port (0 = any free port).")
-@click.option("--key", "key_file", type=click.Path(path_type=Path), default=None,
-              help="This producer's secret key file (from `ectransport keys generate`).")
-@click.option("--allow-dir", type=click.Path(path_type=Path), default=None,
-              help="Directory of consumer public keys allowed to connect (reloaded on change "
-                   "and on SIGHUP). Required for a non-loopback --host.")
-@click.option("--insecure", is_flag=True,
-              help="Plain ZMQ: no authentication, no encryption. Anyone who reaches the port can "
-                   "pin and read cache entries.")
-@click.option("--images", type=click.Path(path_type=Path), default=None,
-              help="Encode these images at start-up and serve them (default: the bundled ones).")
+@click.option(
+    "--port",
+    default=5601,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Control-plane port (0 = any free port).",
+)
+@click.option(
+    "--key",
+    "key_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="This producer's secret key file (from `ectransport keys generate`).",
+)
+@click.option(
+    "--allow-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory of consumer public keys allowed to connect (reloaded on change "
+    "and on SIGHUP). Required for a non-loopback --host.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Plain ZMQ: no authentication, no encryption. Anyone who reaches the port can "
+    "pin and read cache entries.",
+)
+@click.option(
+    "--images",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Encode these images at start-up and serve them (default: the bundled ones).",
+)
 @layout_options
-@click.option("--region-bytes", default=1 << 30, show_default=True, type=click.IntRange(1),
-              help="Host region for cached entries, bytes.")
-@click.option("--lease-s", default=30.0, show_default=True, type=click.FloatRange(0.1),
-              help="Pin lease of a grant, seconds.")
+@click.option(
+    "--region-bytes",
+    default=1 << 30,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Host region for cached entries, bytes.",
+)
+@click.option(
+    "--lease-s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Pin lease of a grant, seconds.",
+)
 @planes_option
-@click.option("--ready-file", type=click.Path(path_type=Path), default=None,
-              help="Write a JSON description (endpoint, public key, items) here once serving.")
-@click.option("--progress-json", is_flag=True, hidden=True,
-              help="Print one JSON line per encoded item (used by `demo`).")
-@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
-              help="Expose Prometheus metrics at http://[metrics.host]:PORT/metrics (needs the "
-                   "`metrics` extra; 0 = any free port) [default: off, or [metrics] port].")
+@click.option(
+    "--ready-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a JSON description (endpoint, public key, items) here once serving.",
+)
+@click.option(
+    "--progress-json",
+    is_flag=True,
+    hidden=True,
+    help="Print one JSON line per encoded item (used by `demo`).",
+)
+@click.option(
+    "--metrics-port",
+    default=None,
+    type=click.IntRange(0, 65535),
+    help="Expose Prometheus metrics at http://[metrics.host]:PORT/metrics (needs the "
+    "`metrics` extra; 0 = any free port) [default: off, or [metrics] port].",
+)
 @config_option
 @click.pass_context
 @friendly
-def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype, seed,
-          region_bytes, lease_s, planes, ready_file, progress_json, metrics_port, config_file):
+def serve(
+    ctx,
+    host,
+    port,
+    key_file,
+    allow_dir,
+    insecure,
+    images,
+    hidden,
+    dtype,
+    seed,
+    region_bytes,
+    lease_s,
+    planes,
+    ready_file,
+    progress_json,
+    metrics_port,
+    config_file,
+):
     """Run a producer: encode images, hold the outputs, serve them until interrupted."""
     from ectransport.demo.images import load_images
     from ectransport.node.common import Security
     from ectransport.node.producer import ProducerNode
 
-    loaded = cli_settings(ctx, config_file, {
-        **LAYOUT_FLAGS, "host": ("producer.host", "--host"), "port": ("producer.port", "--port"),
-        "key_file": ("security.key_file", "--key"),
-        "allow_dir": ("security.allow_dir", "--allow-dir"),
-        "images": ("producer.images", "--images"),
-        "region_bytes": ("producer.region_bytes", "--region-bytes"),
-        "lease_s": ("producer.lease_s", "--lease-s"),
-        "metrics_port": ("metrics.port", "--metrics-port")}, locals())
+    loaded = cli_settings(
+        ctx,
+        config_file,
+        {
+            **LAYOUT_FLAGS,
+            "host": ("producer.host", "--host"),
+            "port": ("producer.port", "--port"),
+            "key_file": ("security.key_file", "--key"),
+            "allow_dir": ("security.allow_dir", "--allow-dir"),
+            "images": ("producer.images", "--images"),
+            "region_bytes": ("producer.region_bytes", "--region-bytes"),
+            "lease_s": ("producer.lease_s", "--lease-s"),
+            "metrics_port": ("metrics.port", "--metrics-port"),
+        },
+        locals(),
+    )
     s = loaded.settings
-    insecure, planes, region_bytes = s.security.insecure, tuple(s.node.planes), \
-        s.producer.region_bytes
+    insecure, planes, region_bytes = (
+        s.security.insecure,
+        tuple(s.node.planes),
+        s.producer.region_bytes,
+    )
     key_file = Path(s.security.key_file) if s.security.key_file else None
     allow_dir = Path(s.security.allow_dir) if s.security.allow_dir else None
     items = load_images(Path(s.producer.images) if s.producer.images else None)
@@ -191,8 +320,10 @@ def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype,
     if insecure:
         security = Security(insecure=True)
     elif key_file is None:
-        raise ConfigError("--key is required (or --insecure); create one with "
-                          "`ectransport keys generate --out DIR --name producer`")
+        raise ConfigError(
+            "--key is required (or --insecure); create one with "
+            "`ectransport keys generate --out DIR --name producer`"
+        )
     else:
         if allow_dir is not None and not allow_dir.is_dir():
             raise ConfigError(f"--allow-dir {allow_dir} is not a directory")
@@ -218,17 +349,30 @@ def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype,
             enc_s = time.perf_counter() - t0
             if not node.put(item.mm_hash, tensor):
                 raise ConfigError(f"--region-bytes {region_bytes} is too small for {item.name}")
-            d = {"name": item.name, "mm_hash": item.mm_hash, "tokens": int(tensor.shape[0]),
-                 "nbytes": int(tensor.numel() * tensor.element_size()), "encode_s": enc_s}
+            d = {
+                "name": item.name,
+                "mm_hash": item.mm_hash,
+                "tokens": int(tensor.shape[0]),
+                "nbytes": int(tensor.numel() * tensor.element_size()),
+                "encode_s": enc_s,
+            }
             described.append(d)
             if progress_json:
                 click.echo(json.dumps({"encoded": i + 1, "of": len(items), **d}), nl=True)
             else:
-                click.echo(f"encoded {item.name}: {d['tokens']} tokens, {d['nbytes']} bytes, "
-                           f"mm_hash {item.mm_hash[:16]}")
-        info = {"host": node.host, "port": node.port, "public_key": node.public_key,
-                "planes": list(planes), "transports": node.plane_transports(), "items": described,
-                "pid": os.getpid()}
+                click.echo(
+                    f"encoded {item.name}: {d['tokens']} tokens, {d['nbytes']} bytes, "
+                    f"mm_hash {item.mm_hash[:16]}"
+                )
+        info = {
+            "host": node.host,
+            "port": node.port,
+            "public_key": node.public_key,
+            "planes": list(planes),
+            "transports": node.plane_transports(),
+            "items": described,
+            "pid": os.getpid(),
+        }
         if metrics is not None:
             info["metrics_port"] = metrics_port
         if ready_file is not None:
@@ -238,8 +382,10 @@ def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype,
         if progress_json:
             click.echo(json.dumps({"ready": info}))
         else:
-            click.echo(f"serving {len(items)} items on {node.host}:{node.port} "
-                       f"(planes: {', '.join(planes)}; CURVE {'off' if insecure else 'on'})")
+            click.echo(
+                f"serving {len(items)} items on {node.host}:{node.port} "
+                f"(planes: {', '.join(planes)}; CURVE {'off' if insecure else 'on'})"
+            )
             if node.public_key:
                 click.echo(f"producer public key: {node.public_key}")
             if metrics is not None:
@@ -259,31 +405,66 @@ def serve(ctx, host, port, key_file, allow_dir, insecure, images, hidden, dtype,
 @cli.command()
 @click.argument("address")
 @click.argument("mm_hashes", nargs=-1, required=True)
-@click.option("--server-key", default=None,
-              help="The producer's public key (Z85 text or a public key file).")
-@click.option("--key", "key_file", type=click.Path(path_type=Path), default=None,
-              help="This consumer's secret key file.")
+@click.option(
+    "--server-key", default=None, help="The producer's public key (Z85 text or a public key file)."
+)
+@click.option(
+    "--key",
+    "key_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="This consumer's secret key file.",
+)
 @click.option("--insecure", is_flag=True, help="Plain ZMQ (the producer must be --insecure too).")
 @layout_options
 @planes_option
-@click.option("--timeout-s", default=30.0, show_default=True, type=click.FloatRange(0.1),
-              help="Deadline of each fetch, seconds.")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Write each fetched entry to OUT/<mm_hash>.bin.")
+@click.option(
+    "--timeout-s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Deadline of each fetch, seconds.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write each fetched entry to OUT/<mm_hash>.bin.",
+)
 @config_option
 @click.pass_context
 @friendly
-def fetch(ctx, address, mm_hashes, server_key, key_file, insecure, hidden, dtype, seed, planes,
-          timeout_s, out, config_file):
+def fetch(
+    ctx,
+    address,
+    mm_hashes,
+    server_key,
+    key_file,
+    insecure,
+    hidden,
+    dtype,
+    seed,
+    planes,
+    timeout_s,
+    out,
+    config_file,
+):
     """Fetch entries by mm_hash from a producer at ADDRESS (HOST:PORT)."""
     from ectransport.control.keys import load_public
     from ectransport.node.common import Layout, Security
     from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
-    loaded = cli_settings(ctx, config_file, {
-        **LAYOUT_FLAGS, "server_key": ("security.server_key", "--server-key"),
-        "key_file": ("security.key_file", "--key"),
-        "timeout_s": ("consumer.fetch_timeout_s", "--timeout-s")}, locals())
+    loaded = cli_settings(
+        ctx,
+        config_file,
+        {
+            **LAYOUT_FLAGS,
+            "server_key": ("security.server_key", "--server-key"),
+            "key_file": ("security.key_file", "--key"),
+            "timeout_s": ("consumer.fetch_timeout_s", "--timeout-s"),
+        },
+        locals(),
+    )
     s = loaded.settings
     insecure, server_key = s.security.insecure, s.security.server_key
     key_file = Path(s.security.key_file) if s.security.key_file else None
@@ -303,13 +484,17 @@ def fetch(ctx, address, mm_hashes, server_key, key_file, insecure, hidden, dtype
     with ConsumerNode(layout=layout, security=security, **s.consumer_node_kwargs()) as node:
         peer = ProducerAddress(host, port, pub)
         plane = node.connect(peer, timeout_s=min(timeout_s, s.consumer.connect_timeout_s))
-        click.echo(f"connected to {host}:{port} (CURVE {'off' if insecure else 'on'}, plane {plane}: "
-                   f"{node.plane_transports().get(plane, plane)})")
+        click.echo(
+            f"connected to {host}:{port} (CURVE {'off' if insecure else 'on'}, plane {plane}: "
+            f"{node.plane_transports().get(plane, plane)})"
+        )
         for mm in mm_hashes:
             r = node.fetch(peer, mm)
             if r.ok:
-                click.echo(f"{mm[:16]}  {r.nbytes} bytes in {r.timings.get('total', 0) * 1e3:.2f} ms "
-                           f"via {r.plane}")
+                click.echo(
+                    f"{mm[:16]}  {r.nbytes} bytes in {r.timings.get('total', 0) * 1e3:.2f} ms "
+                    f"via {r.plane}"
+                )
                 if out is not None:
                     (out / f"{mm}.bin").write_bytes(r.data.tobytes())
             else:
@@ -327,8 +512,13 @@ def keys():
 
 
 @keys.command("generate")
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
-              help="Directory to write NAME.key (public) and NAME.key_secret (mode 0600).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Directory to write NAME.key (public) and NAME.key_secret (mode 0600).",
+)
 @click.option("--name", required=True, help="Node name, e.g. producer or consumer-3.")
 @click.option("--force", is_flag=True, help="Overwrite an existing key pair.")
 @friendly
@@ -354,8 +544,13 @@ def keys_show(key_file):
 
 @keys.command("allow")
 @click.argument("pubkey")
-@click.option("--dir", "allow_dir", required=True, type=click.Path(path_type=Path),
-              help="The producer's allow-list directory (see `serve --allow-dir`).")
+@click.option(
+    "--dir",
+    "allow_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The producer's allow-list directory (see `serve --allow-dir`).",
+)
 @click.option("--name", default=None, help="File name for the entry (default: derived from key).")
 @friendly
 def keys_allow(pubkey, allow_dir, name):
@@ -388,10 +583,14 @@ def planes():
             continue
         ok, why = cls.probe()
         caps = cls.capabilities
-        table.add_row(name, info.dist + (f" (shadows {', '.join(info.shadowed)})" if info.shadowed else ""),
-                      caps.transfer_model.value, ",".join(sorted(caps.mem_kinds)),
-                      "yes" if caps.notifications else "no",
-                      f"[green]yes[/green]: {why}" if ok else f"[red]no[/red]: {why}")
+        table.add_row(
+            name,
+            info.dist + (f" (shadows {', '.join(info.shadowed)})" if info.shadowed else ""),
+            caps.transfer_model.value,
+            ",".join(sorted(caps.mem_kinds)),
+            "yes" if caps.notifications else "no",
+            f"[green]yes[/green]: {why}" if ok else f"[red]no[/red]: {why}",
+        )
     Console().print(table)
 
 
@@ -446,8 +645,12 @@ def doctor(ctx, config_file):
     for c in checks:
         color = colors.get(c.status, "yellow")
         req = " (required)" if c.required and c.status == FAIL else ""
-        table.add_row(c.group if c.group != group else "", c.name,
-                      f"[{color}]{c.status}[/{color}]{req}", c.detail)
+        table.add_row(
+            c.group if c.group != group else "",
+            c.name,
+            f"[{color}]{c.status}[/{color}]{req}",
+            c.detail,
+        )
         group = c.group
     console.print(table)
     failed = [c for c in checks if c.failed]

@@ -532,7 +532,8 @@ class ConsumerNode:
             if len(e.runs) == 1:  # zero copy: hand out the landing blocks, pinned until released
                 self.store.pin_if_ready(e.mm_hash)
                 owner = (ctypes.c_uint8 * e.nbytes).from_address(
-                    self.region.addr + e.runs[0].start * self.region.block_bytes) if e.nbytes else None
+                    self.region.addr + e.runs[0].start * self.region.block_bytes
+                ) if e.nbytes else None
                 data = np.frombuffer(owner, dtype=np.uint8) if owner is not None else \
                     np.empty(0, dtype=np.uint8)
                 if owner is not None:

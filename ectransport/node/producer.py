@@ -127,7 +127,8 @@ class ProducerNode:
             raise
         self.public_key = security.public_key
         self.session = self._make_session(
-            ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash, planes=tuple(planes),
+            ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
+                           planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes,
                            versions=tuple(versions)))
         self._lock = threading.Lock()
@@ -165,7 +166,8 @@ class ProducerNode:
     def start(self) -> ProducerNode:
         """Start serving on a background thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -191,7 +193,8 @@ class ProducerNode:
                 return True
             entry = self.store.alloc(mm_hash, data.nbytes)
             if isinstance(entry, AllocFailed):
-                log.warning("cannot store %s (%d bytes): %s", mm_hash[:12], data.nbytes, entry.reason)
+                log.warning("cannot store %s (%d bytes): %s", mm_hash[:12], data.nbytes,
+                            entry.reason)
                 return False
         self.region.write(entry.runs, data)  # outside the lock: NOT_READY entries are never served
         with self._lock:
@@ -315,7 +318,8 @@ class ProducerNode:
                     for ev in events:
                         kind = type(ev).__name__
                         if kind == "Received":
-                            cmds += self.session.on_frame(ev.source, ev.data, now, user=ev.source.user)
+                            cmds += self.session.on_frame(ev.source, ev.data, now,
+                                                          user=ev.source.user)
                         elif kind == "Down":
                             cmds += self.session.on_peer_down(ev.source, now)
                     for plane in self._planes.values():

@@ -150,9 +150,16 @@ class ConsumerSession:
             fields carry ``peer`` (the connection) and ``session_id``.
     """
 
-    def __init__(self, config: ConsumerConfig, conn: str, store: BlockStore, now: float,
-                 *, session_id: str | None = None,
-                 observer: Callable[[str, dict[str, Any]], None] | None = None):
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        conn: str,
+        store: BlockStore,
+        now: float,
+        *,
+        session_id: str | None = None,
+        observer: Callable[[str, dict[str, Any]], None] | None = None,
+    ):
         self.config = config
         self.conn = conn
         self.store = store
@@ -182,13 +189,18 @@ class ConsumerSession:
         return len(self._fetches) + len(self._quarantine)
 
     def fetch_states(self) -> dict[str, FetchState]:
-        return {**{k: f.state for k, f in self._fetches.items()},
-                **{k: f.state for k, f in self._quarantine.items()}}
+        return {
+            **{k: f.state for k, f in self._fetches.items()},
+            **{k: f.state for k, f in self._quarantine.items()},
+        }
 
     def reading(self) -> list[tuple[str, Any]]:
         """(mm_hash, handle) of every transfer whose data-plane state the node must poll."""
-        return [(f.mm_hash, f.handle) for f in (*self._fetches.values(), *self._quarantine.values())
-                if f.handle is not None]
+        return [
+            (f.mm_hash, f.handle)
+            for f in (*self._fetches.values(), *self._quarantine.values())
+            if f.handle is not None
+        ]
 
     def next_deadline(self) -> float | None:
         ds = [f.deadline for f in (*self._fetches.values(), *self._quarantine.values())]
@@ -209,12 +221,24 @@ class ConsumerSession:
         if self.failed is not None:
             return [Report(Miss(mm_hash, self.failed.reason, self.failed.detail))]
         if now < self.blocked_until:
-            return [Report(Miss(mm_hash, MissReason.QUARANTINED,
-                                f"producer quarantined for {self.blocked_until - now:.1f} s more "
-                                f"after: {self.blocked_reason}"))]
+            return [
+                Report(
+                    Miss(
+                        mm_hash,
+                        MissReason.QUARANTINED,
+                        f"producer quarantined for {self.blocked_until - now:.1f} s more "
+                        f"after: {self.blocked_reason}",
+                    )
+                )
+            ]
         if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
-            return [Report(Miss(mm_hash, MissReason.INTERNAL,
-                                f"mm_hash must be 1-{MAX_HASH_LEN} characters"))]
+            return [
+                Report(
+                    Miss(
+                        mm_hash, MissReason.INTERNAL, f"mm_hash must be 1-{MAX_HASH_LEN} characters"
+                    )
+                )
+            ]
         if mm_hash in self._fetches or mm_hash in self._quarantine:
             return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
         cmds: list[Command] = []
@@ -243,14 +267,18 @@ class ConsumerSession:
         was_connected, self._connected = self._connected, False  # no XferDone to a dead peer
         for f in list(self._fetches.values()):
             if f.state is FetchState.READING:
-                cmds += self._quarantine_fetch(f, now, MissReason.PEER_DOWN, "producer went away mid-read")
+                cmds += self._quarantine_fetch(
+                    f, now, MissReason.PEER_DOWN, "producer went away mid-read"
+                )
             else:
                 del self._fetches[f.mm_hash]
                 detail = "producer went away" if was_connected else "producer unreachable"
                 cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, detail + " (retryable)")))
         why = "producer went away" if was_connected else "producer unreachable (no connection)"
         self.version = None
-        self._hello_deadline = float("inf")  # the next Up sends Hello; queued fetches keep their deadlines
+        self._hello_deadline = float(
+            "inf"
+        )  # the next Up sends Hello; queued fetches keep their deadlines
         self._penalize(now, why)
         return cmds
 
@@ -267,7 +295,9 @@ class ConsumerSession:
             case XferAck():
                 return self._on_ack(msg, now)
             case Nack():
-                log.warning("producer %s NACKed a frame: %s %s", self.conn, msg.status.name, msg.detail)
+                log.warning(
+                    "producer %s NACKed a frame: %s %s", self.conn, msg.status.name, msg.detail
+                )
                 return []
             case _:
                 return []
@@ -300,10 +330,20 @@ class ConsumerSession:
             self.store.mark_ready(f.entry.mm_hash)
             f.timings["landed"] = now
             self._backoff = self.config.peer_backoff_s
-            return self._finish(f, Landed(f.mm_hash, f.entry, self.plane or "",
-                                          {k: v - f.started for k, v in f.timings.items()},
-                                          f.grant_id), ok=True)
-        return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, "data-plane transfer failed"), ok=False)
+            return self._finish(
+                f,
+                Landed(
+                    f.mm_hash,
+                    f.entry,
+                    self.plane or "",
+                    {k: v - f.started for k, v in f.timings.items()},
+                    f.grant_id,
+                ),
+                ok=True,
+            )
+        return self._finish(
+            f, Miss(mm_hash, MissReason.INTERNAL, "data-plane transfer failed"), ok=False
+        )
 
     def poll(self, now: float) -> list[Command]:
         """Apply deadlines (hello, ack, read → quarantine, quarantine → settle), retries, renewals."""
@@ -313,16 +353,30 @@ class ConsumerSession:
             self._penalize(now, "no Welcome in time")
             for f in [f for f in self._fetches.values() if f.state is FetchState.QUEUED]:
                 del self._fetches[f.mm_hash]
-                cmds.append(Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no Welcome from the producer in time")))
+                cmds.append(
+                    Report(
+                        Miss(f.mm_hash, MissReason.TIMEOUT, "no Welcome from the producer in time")
+                    )
+                )
         for f in list(self._fetches.values()):
             if now >= f.final_deadline or now >= f.deadline:
                 cmds += self._expire(f, now)
         reading = [f for f in self._fetches.values() if f.state is FetchState.READING]
         if reading and now >= self._next_renew and self.welcomed:
             lease = min(f.lease_s for f in reading)
-            cmds.append(Send(self.conn, encode(Renew(
-                v=self.version or 0, session_id=self.session_id,
-                grant_ids=[f.grant_id for f in reading][:4096], extend_s=lease * 2 / 3))))
+            cmds.append(
+                Send(
+                    self.conn,
+                    encode(
+                        Renew(
+                            v=self.version or 0,
+                            session_id=self.session_id,
+                            grant_ids=[f.grant_id for f in reading][:4096],
+                            extend_s=lease * 2 / 3,
+                        )
+                    ),
+                )
+            )
             self._next_renew = now + lease / 6
         for q in list(self._quarantine.values()):
             if now >= q.deadline:
@@ -339,10 +393,15 @@ class ConsumerSession:
     # -- internals -----------------------------------------------------------------------------
     def _hello(self, now: float) -> list[Command]:
         self._hello_deadline = now + self.config.hello_timeout_s  # inf again once answered
-        hello = Hello(v=max(self.config.versions), session_id=self.session_id,
-                      node_id=self.config.node_id, versions=list(self.config.versions),
-                      planes=list(self.config.planes), compat_hash=self.config.compat_hash,
-                      mem_kinds=["DRAM"])
+        hello = Hello(
+            v=max(self.config.versions),
+            session_id=self.session_id,
+            node_id=self.config.node_id,
+            versions=list(self.config.versions),
+            planes=list(self.config.planes),
+            compat_hash=self.config.compat_hash,
+            mem_kinds=["DRAM"],
+        )
         return [Send(self.conn, encode(hello))]
 
     def _penalize(self, now: float, why: str) -> None:
@@ -350,14 +409,20 @@ class ConsumerSession:
         self.blocked_reason = why
         self._backoff = min(self._backoff * 2, self.config.peer_backoff_max_s)
         self._probe_due = True  # the next fetch after the backoff probes with Hello first
-        log.warning("producer %s quarantined for %.1f s: %s", self.conn,
-                    self.blocked_until - now, why,
-                    extra={"peer": self.conn, "session_id": self.session_id})
+        log.warning(
+            "producer %s quarantined for %.1f s: %s",
+            self.conn,
+            self.blocked_until - now,
+            why,
+            extra={"peer": self.conn, "session_id": self.session_id},
+        )
         self._emit("peer_quarantined", seconds=self.blocked_until - now, why=why)
 
     def _expire(self, f: Fetch, now: float) -> list[Command]:
         final = now >= f.final_deadline
-        own = final and now < f.deadline  # the caller's deadline came first: not the producer's fault
+        own = (
+            final and now < f.deadline
+        )  # the caller's deadline came first: not the producer's fault
         if f.state is FetchState.READING:
             if not own:
                 self._penalize(now, "read deadline passed")
@@ -378,8 +443,13 @@ class ConsumerSession:
         f.state = FetchState.WAITING_ACK
         f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
         f.timings.setdefault("req", now)
-        req = XferReq(v=self.version or 0, session_id=self.session_id, mm_hash=f.mm_hash,
-                      compat_hash=self.config.compat_hash, dest=b"")
+        req = XferReq(
+            v=self.version or 0,
+            session_id=self.session_id,
+            mm_hash=f.mm_hash,
+            compat_hash=self.config.compat_hash,
+            dest=b"",
+        )
         return [Send(self.conn, encode(req))]
 
     def _on_welcome(self, msg: Welcome, now: float) -> list[Command]:
@@ -389,8 +459,13 @@ class ConsumerSession:
             reason = _NACK_REASON.get(msg.status, MissReason.INTERNAL)
             return self._fail_session(Miss("", reason, msg.detail or msg.status.name))
         if msg.version not in self.config.versions or msg.plane not in self.config.planes:
-            return self._fail_session(Miss("", MissReason.VERSION,
-                                           f"producer chose version {msg.version} / plane {msg.plane!r}"))
+            return self._fail_session(
+                Miss(
+                    "",
+                    MissReason.VERSION,
+                    f"producer chose version {msg.version} / plane {msg.plane!r}",
+                )
+            )
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
         if self.blocked_until:
             self._emit("peer_lifted")
@@ -407,16 +482,20 @@ class ConsumerSession:
         f = self._fetches.get(msg.mm_hash)
         if f is None or f.state is not FetchState.WAITING_ACK or msg.session_id != self.session_id:
             # a grant we no longer want (late or duplicate ack): let the producer unpin now
-            if (msg.status is Status.OK and msg.grant is not None
-                    and msg.session_id == self.session_id
-                    and (f is None or f.grant_id != msg.grant.grant_id)):
+            if (
+                msg.status is Status.OK
+                and msg.grant is not None
+                and msg.session_id == self.session_id
+                and (f is None or f.grant_id != msg.grant.grant_id)
+            ):
                 return [self._done(msg.mm_hash, msg.grant.grant_id, ok=False)]
             return []
         f.timings["ack"] = now
         if msg.status in RETRYABLE:
             f.last_nack = msg.status
-            f.retry_s = min(max(f.retry_s * 2, self.config.retry_backoff_s),
-                            self.config.retry_backoff_max_s)
+            f.retry_s = min(
+                max(f.retry_s * 2, self.config.retry_backoff_s), self.config.retry_backoff_max_s
+            )
             f.state = FetchState.BACKOFF
             f.deadline = min(f.final_deadline, now + f.retry_s)
             return []
@@ -428,11 +507,18 @@ class ConsumerSession:
             detail = f"{msg.status.name}: {msg.detail}" if msg.detail else msg.status.name
             return [Report(Miss(f.mm_hash, reason, detail))]
         g = msg.grant
-        if g is None or g.block_bytes != self.store.block_bytes or g.plane != self.plane or \
-                g.num_blocks != self.store.blocks_for(g.entry_bytes):
+        if (
+            g is None
+            or g.block_bytes != self.store.block_bytes
+            or g.plane != self.plane
+            or g.num_blocks != self.store.blocks_for(g.entry_bytes)
+        ):
             del self._fetches[f.mm_hash]
-            cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL,
-                                               "grant does not match the local layout"))]
+            cmds: list[Command] = [
+                Report(
+                    Miss(f.mm_hash, MissReason.INTERNAL, "grant does not match the local layout")
+                )
+            ]
             if g is not None:
                 cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
             return cmds
@@ -441,9 +527,16 @@ class ConsumerSession:
         entry = self.store.alloc(f"{f.mm_hash}#{self._seq}", g.entry_bytes)
         if isinstance(entry, AllocFailed):
             del self._fetches[f.mm_hash]
-            return [self._done(f.mm_hash, g.grant_id, ok=False),
-                    Report(Miss(f.mm_hash, MissReason.NO_SPACE,
-                                f"local region cannot hold {g.entry_bytes} bytes ({entry.reason})"))]
+            return [
+                self._done(f.mm_hash, g.grant_id, ok=False),
+                Report(
+                    Miss(
+                        f.mm_hash,
+                        MissReason.NO_SPACE,
+                        f"local region cannot hold {g.entry_bytes} bytes ({entry.reason})",
+                    )
+                ),
+            ]
         f.entry = entry
         f.state = FetchState.READING
         f.deadline = min(f.final_deadline, now + self.config.read_timeout_s)
@@ -453,9 +546,18 @@ class ConsumerSession:
         return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif)]
 
     def _done(self, mm_hash: str, grant_id: int, ok: bool) -> Send:
-        return Send(self.conn, encode(XferDone(v=self.version or max(self.config.versions),
-                                               session_id=self.session_id, mm_hash=mm_hash,
-                                               grant_id=grant_id, ok=ok)))
+        return Send(
+            self.conn,
+            encode(
+                XferDone(
+                    v=self.version or max(self.config.versions),
+                    session_id=self.session_id,
+                    mm_hash=mm_hash,
+                    grant_id=grant_id,
+                    ok=ok,
+                )
+            ),
+        )
 
     def _finish(self, f: Fetch, outcome: Landed | Miss, ok: bool) -> list[Command]:
         del self._fetches[f.mm_hash]
@@ -470,7 +572,9 @@ class ConsumerSession:
         cmds.append(Report(outcome))
         return cmds
 
-    def _quarantine_fetch(self, f: Fetch, now: float, reason: MissReason, detail: str) -> list[Command]:
+    def _quarantine_fetch(
+        self, f: Fetch, now: float, reason: MissReason, detail: str
+    ) -> list[Command]:
         del self._fetches[f.mm_hash]
         cmds: list[Command] = [Report(Miss(f.mm_hash, reason, detail + "; transfer quarantined"))]
         if f.handle is None:  # nothing in flight on the data plane: free at once
@@ -479,11 +583,20 @@ class ConsumerSession:
             return cmds
         f.state = FetchState.QUARANTINED
         f.deadline = now + self.config.quarantine_s
-        log.info("transfer quarantined for %.0f s: %s", self.config.quarantine_s, detail,
-                    extra={"peer": self.conn, "session_id": self.session_id,
-                           "mm_hash": f.mm_hash[:12], "grant_id": f.grant_id})
-        self._emit("transfer_quarantined", mm_hash=f.mm_hash[:12], grant_id=f.grant_id,
-                   reason=reason.value)
+        log.info(
+            "transfer quarantined for %.0f s: %s",
+            self.config.quarantine_s,
+            detail,
+            extra={
+                "peer": self.conn,
+                "session_id": self.session_id,
+                "mm_hash": f.mm_hash[:12],
+                "grant_id": f.grant_id,
+            },
+        )
+        self._emit(
+            "transfer_quarantined", mm_hash=f.mm_hash[:12], grant_id=f.grant_id, reason=reason.value
+        )
         self._quarantine[f.mm_hash] = f
         if f.grant_id >= 0 and self._connected:
             cmds.append(self._done(f.mm_hash, f.grant_id, ok=False))

@@ -136,8 +136,12 @@ class ProducerSession:
             config.budget_bytes if config.budget_bytes is not None else store.region_bytes // 4
         )
         self.stats: dict[str, int] = {
-            "grants": 0, "completed": 0, "expired": 0, "released_peer_down": 0,
-            "bad_frames": 0, "late_signals": 0,
+            "grants": 0,
+            "completed": 0,
+            "expired": 0,
+            "released_peer_down": 0,
+            "bad_frames": 0,
+            "late_signals": 0,
         }
         self.nacks: dict[Status, int] = {}
         self.observer = observer
@@ -178,11 +182,15 @@ class ProducerSession:
                 return self._on_req(peer, state, msg, now)
             case XferDone():
                 if state is None or msg.session_id != state.session_id:
-                    return [self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")]
+                    return [
+                        self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")
+                    ]
                 return self._release((msg.session_id, msg.mm_hash, msg.grant_id), "completed")
             case Renew():
                 if state is None or msg.session_id != state.session_id:
-                    return [self._nack(peer, Status.NACK_BAD_REQUEST, "Renew for a foreign session")]
+                    return [
+                        self._nack(peer, Status.NACK_BAD_REQUEST, "Renew for a foreign session")
+                    ]
                 ext = max(0.0, min(float(msg.extend_s), self.config.lease_s))
                 for gid in msg.grant_ids[:4096]:
                     for key in [k for k in state.grants if k[2] == gid]:
@@ -190,7 +198,9 @@ class ProducerSession:
                         g.deadline = max(g.deadline, now + ext)
                 return []
             case _:
-                return [self._nack(peer, Status.NACK_BAD_REQUEST, f"unexpected {type(msg).__name__}")]
+                return [
+                    self._nack(peer, Status.NACK_BAD_REQUEST, f"unexpected {type(msg).__name__}")
+                ]
 
     def on_notification(self, notif: bytes, now: float) -> list[Command]:
         """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
@@ -215,10 +225,19 @@ class ProducerSession:
         cmds: list[Command] = []
         for key in [k for k, g in self._grants.items() if g.deadline <= now]:
             g = self._grants[key]
-            fields = {"peer": g.identity, "session_id": key[0], "mm_hash": key[1][:12],
-                      "grant_id": key[2]}
-            log.warning("lease expired: session=%s mm_hash=%s grant=%d", key[0][:8], key[1][:12],
-                        key[2], extra=fields)
+            fields = {
+                "peer": g.identity,
+                "session_id": key[0],
+                "mm_hash": key[1][:12],
+                "grant_id": key[2],
+            }
+            log.warning(
+                "lease expired: session=%s mm_hash=%s grant=%d",
+                key[0][:8],
+                key[1][:12],
+                key[2],
+                extra=fields,
+            )
             self._emit("lease_expired", fields, nbytes=g.nbytes, plane=g.plane)
             cmds += self._release(key, "expired")
         return cmds
@@ -237,37 +256,82 @@ class ProducerSession:
         def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "") -> Send:
             if status is not Status.OK:
                 self.nacks[status] = self.nacks.get(status, 0) + 1
-                self._emit("nack_sent", {"peer": user or msg.session_id,
-                                         "session_id": msg.session_id, "mm_hash": "",
-                                         "grant_id": -1}, status=status.name, detail=detail)
-            return Send(peer, encode(Welcome(
-                v=max(cfg.versions), session_id=msg.session_id, node_id=cfg.node_id,
-                status=status, version=version, plane=plane, versions=list(cfg.versions),
-                planes=list(cfg.planes), compat_hash=cfg.compat_hash, detail=detail[:1000],
-            )))
+                self._emit(
+                    "nack_sent",
+                    {
+                        "peer": user or msg.session_id,
+                        "session_id": msg.session_id,
+                        "mm_hash": "",
+                        "grant_id": -1,
+                    },
+                    status=status.name,
+                    detail=detail,
+                )
+            return Send(
+                peer,
+                encode(
+                    Welcome(
+                        v=max(cfg.versions),
+                        session_id=msg.session_id,
+                        node_id=cfg.node_id,
+                        status=status,
+                        version=version,
+                        plane=plane,
+                        versions=list(cfg.versions),
+                        planes=list(cfg.planes),
+                        compat_hash=cfg.compat_hash,
+                        detail=detail[:1000],
+                    )
+                ),
+            )
 
         if not _SESSION_ID.fullmatch(msg.session_id):
-            return [welcome(Status.NACK_BAD_REQUEST,
-                            detail="session id must be 1-128 characters of [A-Za-z0-9_-]")]
+            return [
+                welcome(
+                    Status.NACK_BAD_REQUEST,
+                    detail="session id must be 1-128 characters of [A-Za-z0-9_-]",
+                )
+            ]
         owner = self._sessions.get(msg.session_id)
         # a reconnect (new route) may take its session over only with the same identity
-        if owner is not None and owner != peer and \
-                self._peers[owner].identity != (user or msg.session_id):
+        if (
+            owner is not None
+            and owner != peer
+            and self._peers[owner].identity != (user or msg.session_id)
+        ):
             return [welcome(Status.NACK_BAD_REQUEST, detail="session id bound to another peer")]
         if msg.compat_hash != cfg.compat_hash:
-            return [welcome(Status.NACK_INCOMPAT, detail=(
-                f"compatibility hash mismatch: producer {cfg.compat_hash[:12]}, "
-                f"consumer {msg.compat_hash[:12]} (model/dtype/hidden/layout differ)"))]
+            return [
+                welcome(
+                    Status.NACK_INCOMPAT,
+                    detail=(
+                        f"compatibility hash mismatch: producer {cfg.compat_hash[:12]}, "
+                        f"consumer {msg.compat_hash[:12]} (model/dtype/hidden/layout differ)"
+                    ),
+                )
+            ]
         common = set(cfg.versions) & set(msg.versions)
         if not common:
-            return [welcome(Status.NACK_VERSION, detail=(
-                f"no common protocol version: producer speaks {sorted(cfg.versions)}, "
-                f"consumer {sorted(msg.versions)}"))]
+            return [
+                welcome(
+                    Status.NACK_VERSION,
+                    detail=(
+                        f"no common protocol version: producer speaks {sorted(cfg.versions)}, "
+                        f"consumer {sorted(msg.versions)}"
+                    ),
+                )
+            ]
         plane = next((p for p in msg.planes if p in cfg.planes), None)
         if plane is None:
-            return [welcome(Status.NACK_INCOMPAT, detail=(
-                f"no common data plane: producer offers {list(cfg.planes)}, "
-                f"consumer offers {list(msg.planes)}"))]
+            return [
+                welcome(
+                    Status.NACK_INCOMPAT,
+                    detail=(
+                        f"no common data plane: producer offers {list(cfg.planes)}, "
+                        f"consumer offers {list(msg.planes)}"
+                    ),
+                )
+            ]
         cmds: list[Command] = []
         if owner is not None and owner != peer:
             cmds += self.on_peer_down(owner, 0.0)  # reconnect: the old route's grants end
@@ -286,11 +350,25 @@ class ProducerSession:
 
         def nack(status: Status, detail: str) -> list[Command]:
             self.nacks[status] = self.nacks.get(status, 0) + 1
-            self._emit("nack_sent", {"peer": state.identity if state else str(peer),
-                                     "session_id": msg.session_id, "mm_hash": msg.mm_hash[:12],
-                                     "grant_id": -1}, status=status.name, detail=detail)
-            ack = XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash, status=status,
-                          grant=None, detail=detail)
+            self._emit(
+                "nack_sent",
+                {
+                    "peer": state.identity if state else str(peer),
+                    "session_id": msg.session_id,
+                    "mm_hash": msg.mm_hash[:12],
+                    "grant_id": -1,
+                },
+                status=status.name,
+                detail=detail,
+            )
+            ack = XferAck(
+                v=msg.v,
+                session_id=msg.session_id,
+                mm_hash=msg.mm_hash,
+                status=status,
+                grant=None,
+                detail=detail,
+            )
             return [Send(peer, encode(ack))]
 
         if state is None:
@@ -312,7 +390,9 @@ class ProducerSession:
         pinned_bytes = entry.num_blocks * self.store.block_bytes
         used = self._pinned_by.get(state.identity, 0)
         if used + pinned_bytes > self.budget_bytes:
-            return nack(Status.NACK_BUSY, f"pin budget: {used}+{pinned_bytes} > {self.budget_bytes} bytes")
+            return nack(
+                Status.NACK_BUSY, f"pin budget: {used}+{pinned_bytes} > {self.budget_bytes} bytes"
+            )
         describe = self.describers.get(state.plane)
         if describe is None:
             return nack(Status.NACK_INTERNAL, f"plane {state.plane} not available")
@@ -326,24 +406,63 @@ class ProducerSession:
             return nack(Status.NACK_INTERNAL, f"plane error: {type(e).__name__}")
         gid = self._rng.getrandbits(63)
         key = (msg.session_id, msg.mm_hash, gid)
-        grant = Grant(grant_id=gid, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
-                      block_bytes=self.store.block_bytes, lease_s=float(cfg.lease_s), plane=state.plane,
-                      plane_grant=plane_grant)
-        ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
-                             status=Status.OK, grant=grant, detail=""))
-        self._grants[key] = _Grant(key, peer, state.identity, entry.entry_id, entry.runs,
-                                   entry.nbytes, pinned_bytes, now + cfg.lease_s, ack,
-                                   state.plane, plane_grant, now)
+        grant = Grant(
+            grant_id=gid,
+            entry_bytes=entry.nbytes,
+            num_blocks=entry.num_blocks,
+            block_bytes=self.store.block_bytes,
+            lease_s=float(cfg.lease_s),
+            plane=state.plane,
+            plane_grant=plane_grant,
+        )
+        ack = encode(
+            XferAck(
+                v=msg.v,
+                session_id=msg.session_id,
+                mm_hash=msg.mm_hash,
+                status=Status.OK,
+                grant=grant,
+                detail="",
+            )
+        )
+        self._grants[key] = _Grant(
+            key,
+            peer,
+            state.identity,
+            entry.entry_id,
+            entry.runs,
+            entry.nbytes,
+            pinned_bytes,
+            now + cfg.lease_s,
+            ack,
+            state.plane,
+            plane_grant,
+            now,
+        )
         self._live[key[:2]] = gid
         state.grants.add(key)
         self._pinned_by[state.identity] = used + pinned_bytes
         self.stats["grants"] += 1
-        fields = {"peer": state.identity, "session_id": msg.session_id,
-                  "mm_hash": msg.mm_hash[:12], "grant_id": gid}
-        log.debug("grant issued: %d bytes in %d runs over %s", entry.nbytes, len(entry.runs),
-                  state.plane, extra=fields)
-        self._emit("grant_issued", fields, nbytes=entry.nbytes, plane=state.plane,
-                   descriptors=len(entry.runs))
+        fields = {
+            "peer": state.identity,
+            "session_id": msg.session_id,
+            "mm_hash": msg.mm_hash[:12],
+            "grant_id": gid,
+        }
+        log.debug(
+            "grant issued: %d bytes in %d runs over %s",
+            entry.nbytes,
+            len(entry.runs),
+            state.plane,
+            extra=fields,
+        )
+        self._emit(
+            "grant_issued",
+            fields,
+            nbytes=entry.nbytes,
+            plane=state.plane,
+            descriptors=len(entry.runs),
+        )
         return [Send(peer, ack)]
 
     # -- helpers -------------------------------------------------------------------------------
@@ -365,12 +484,17 @@ class ProducerSession:
         self.store.unpin(key[1], g.entry_id)
         self.stats[why] += 1
         if self.observer is not None or log.isEnabledFor(logging.DEBUG):
-            fields = {"peer": g.identity, "session_id": key[0], "mm_hash": key[1][:12],
-                      "grant_id": key[2]}
+            fields = {
+                "peer": g.identity,
+                "session_id": key[0],
+                "mm_hash": key[1][:12],
+                "grant_id": key[2],
+            }
             held_s = max(0.0, self._now - g.issued) if self._now is not None else None
             log.debug("grant ended: %s", why, extra=fields)
-            self._emit("grant_ended", fields, why=why, nbytes=g.nbytes, plane=g.plane,
-                       held_s=held_s)
+            self._emit(
+                "grant_ended", fields, why=why, nbytes=g.nbytes, plane=g.plane, held_s=held_s
+            )
         return [Revoke(g.plane, g.plane_grant)]
 
     def _emit(self, event: str, fields: dict[str, Any], **more: Any) -> None:
@@ -389,9 +513,19 @@ class ProducerSession:
         if err.kind == "req":  # answer as an ack so the consumer can attribute it to its request
             sid, mm = peek_ids(data)
             self.nacks[err.status] = self.nacks.get(err.status, 0) + 1
-            return Send(peer, encode(XferAck(
-                v=self._version_for(peer), session_id=sid, mm_hash=mm, status=err.status,
-                grant=None, detail=err.detail[:1000])))
+            return Send(
+                peer,
+                encode(
+                    XferAck(
+                        v=self._version_for(peer),
+                        session_id=sid,
+                        mm_hash=mm,
+                        status=err.status,
+                        grant=None,
+                        detail=err.detail[:1000],
+                    )
+                ),
+            )
         return self._nack(peer, err.status, err.detail[:1000])
 
 

@@ -92,7 +92,9 @@ class BlockStore:
 
     def __init__(self, num_blocks: int, block_bytes: int):
         if num_blocks <= 0 or block_bytes <= 0:
-            raise ValueError(f"num_blocks and block_bytes must be positive ({num_blocks}, {block_bytes})")
+            raise ValueError(
+                f"num_blocks and block_bytes must be positive ({num_blocks}, {block_bytes})"
+            )
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self._entries: dict[str, Entry] = {}

@@ -97,13 +97,14 @@ def _transfer(producer, consumer, prod_region, cons_region, prod_runs, cons_runs
 )
 def test_round_trip(planes, prod_runs, cons_runs, nbytes):
     producer, consumer, prod_region, cons_region = planes
-    sent, got = _transfer(producer, consumer, prod_region, cons_region, prod_runs, cons_runs,
-                          nbytes, seed=nbytes)
+    sent, got = _transfer(
+        producer, consumer, prod_region, cons_region, prod_runs, cons_runs, nbytes, seed=nbytes
+    )
     np.testing.assert_array_equal(got, sent)
     # nothing outside the consumer's runs was written
     mask = np.ones(cons_region.nbytes, dtype=bool)
     for r in cons_runs:
-        mask[r.start * BLOCK:(r.start + r.count) * BLOCK] = False
+        mask[r.start * BLOCK : (r.start + r.count) * BLOCK] = False
     assert (cons_region.buf[mask] == 0xEE).all()
 
 
@@ -111,8 +112,9 @@ def test_notification_reaches_producer_with_exact_bytes(planes):
     producer, consumer, *_ = planes
     notif = b"\x00grant:7\xff" + bytes(range(40))
     producer.poll_notifications()  # drain
-    handle = consumer.start(None, producer.describe([Run(0, 2)], 2 * BLOCK), [Run(4, 2)],
-                            2 * BLOCK, notif)
+    handle = consumer.start(
+        None, producer.describe([Run(0, 2)], 2 * BLOCK), [Run(4, 2)], 2 * BLOCK, notif
+    )
     assert _wait(consumer, handle) is XferState.DONE
     consumer.release(handle)
     assert _wait_notifs(producer) == [notif]
@@ -150,16 +152,27 @@ def _bad_grants(producer: NixlPlane, other_meta: bytes) -> dict[str, bytes]:
         "garbage": b"\xc1\x00garbage",
         "wrong type": enc({"agent": "x"}),
         "missing field": enc({"type": "nixl/1", "agent": good.agent, "meta": good.meta}),
-        "negative length": enc({"type": "nixl/1", "agent": good.agent, "meta": good.meta,
-                                "mem_kind": "DRAM", "dev_id": 0, "descs": [[good.descs[0][0], -1]]}),
+        "negative length": enc(
+            {
+                "type": "nixl/1",
+                "agent": good.agent,
+                "meta": good.meta,
+                "mem_kind": "DRAM",
+                "dev_id": 0,
+                "descs": [[good.descs[0][0], -1]],
+            }
+        ),
         "no descs": enc(msgspec.structs.replace(good, descs=[])),
         "bad mem kind": enc(msgspec.structs.replace(good, mem_kind="FILE")),
         "length mismatch": enc(msgspec.structs.replace(good, descs=[(good.descs[0][0], BLOCK)])),
         "garbage metadata": enc(msgspec.structs.replace(good, agent="ghost", meta=b"nope")),
         "agent name lies": enc(msgspec.structs.replace(good, agent="ghost", meta=other_meta)),
         # right length, but outside what the producer registered: NIXL refuses to post it
-        "unregistered memory": enc(msgspec.structs.replace(
-            good, descs=[(good.descs[0][0] + NUM_BLOCKS * BLOCK, 2 * BLOCK)])),
+        "unregistered memory": enc(
+            msgspec.structs.replace(
+                good, descs=[(good.descs[0][0] + NUM_BLOCKS * BLOCK, 2 * BLOCK)]
+            )
+        ),
     }
 
 
@@ -176,16 +189,30 @@ def test_bad_grants_raise_and_leave_plane_usable(planes):
                 pytest.fail(f"grant {label!r} was accepted")
         # a grant that does not match the local runs' length
         with pytest.raises(DataPlaneError, match="bytes"):
-            consumer.start(None, producer.describe([Run(0, 2)], 2 * BLOCK), [Run(8, 3)],
-                           2 * BLOCK, b"bad")
+            consumer.start(
+                None, producer.describe([Run(0, 2)], 2 * BLOCK), [Run(8, 3)], 2 * BLOCK, b"bad"
+            )
         # local runs outside the consumer's region
         with pytest.raises(DataPlaneError, match="outside"):
-            consumer.start(None, producer.describe([Run(0, 2)], 2 * BLOCK),
-                           [Run(NUM_BLOCKS - 1, 2)], 2 * BLOCK, b"bad")
+            consumer.start(
+                None,
+                producer.describe([Run(0, 2)], 2 * BLOCK),
+                [Run(NUM_BLOCKS - 1, 2)],
+                2 * BLOCK,
+                b"bad",
+            )
         # still healthy: a good transfer works and only its notification arrives
         producer.poll_notifications()
-        sent, got = _transfer(producer, consumer, prod_region, cons_region,
-                              [Run(0, 2)], [Run(8, 2)], 2 * BLOCK, seed=99)
+        sent, got = _transfer(
+            producer,
+            consumer,
+            prod_region,
+            cons_region,
+            [Run(0, 2)],
+            [Run(8, 2)],
+            2 * BLOCK,
+            seed=99,
+        )
         np.testing.assert_array_equal(got, sent)
         assert _wait_notifs(producer) == [b"n99"]
     finally:
@@ -199,15 +226,24 @@ def test_restarted_producer_is_a_new_agent_and_works(region_pair):
     consumer = NixlPlane(node_id="pd0", region=cons_region)
     first = NixlPlane(node_id="enc0", region=prod_region)
     try:
-        sent, got = _transfer(first, consumer, prod_region, cons_region, [Run(0, 3)],
-                              [Run(0, 3)], 3 * BLOCK, seed=1)
+        sent, got = _transfer(
+            first, consumer, prod_region, cons_region, [Run(0, 3)], [Run(0, 3)], 3 * BLOCK, seed=1
+        )
         np.testing.assert_array_equal(got, sent)
         first.close()
         second = NixlPlane(node_id="enc0", region=prod_region)  # same node, restarted
         try:
             assert second.agent_name != first.agent_name
-            sent, got = _transfer(second, consumer, prod_region, cons_region, [Run(10, 3)],
-                                  [Run(0, 3)], 3 * BLOCK, seed=2)
+            sent, got = _transfer(
+                second,
+                consumer,
+                prod_region,
+                cons_region,
+                [Run(10, 3)],
+                [Run(0, 3)],
+                3 * BLOCK,
+                seed=2,
+            )
             np.testing.assert_array_equal(got, sent)
             assert _wait_notifs(second) == [b"n2"]
             # the restarted producer's old agent is dropped, never reused
@@ -226,16 +262,24 @@ def test_same_agent_name_with_new_metadata_is_reloaded(planes):
     from nixl._api import nixl_agent, nixl_agent_config
 
     producer, consumer, prod_region, cons_region = planes
-    sent, got = _transfer(producer, consumer, prod_region, cons_region, [Run(0, 1)],
-                          [Run(0, 1)], BLOCK, seed=3)
+    sent, got = _transfer(
+        producer, consumer, prod_region, cons_region, [Run(0, 1)], [Run(0, 1)], BLOCK, seed=3
+    )
     np.testing.assert_array_equal(got, sent)
     # an impostor agent under the producer's name, with its own memory (raw NIXL)
     buf = _pattern(2 * BLOCK, seed=4)
     twin = nixl_agent(producer.agent_name, nixl_agent_config(backends=["UCX"]))
     reg = twin.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     try:
-        grant = msgspec.msgpack.encode(NixlGrant(producer.agent_name, twin.get_agent_metadata(),
-                                                 "DRAM", 0, [(buf.ctypes.data, buf.nbytes)]))
+        grant = msgspec.msgpack.encode(
+            NixlGrant(
+                producer.agent_name,
+                twin.get_agent_metadata(),
+                "DRAM",
+                0,
+                [(buf.ctypes.data, buf.nbytes)],
+            )
+        )
         handle = consumer.start(None, grant, [Run(30, 2)], buf.nbytes, b"twin")
         assert _wait(consumer, handle) is XferState.DONE
         consumer.release(handle)
@@ -248,8 +292,9 @@ def test_same_agent_name_with_new_metadata_is_reloaded(planes):
 # -- handles and lifecycle --------------------------------------------------------------------------
 def test_release_is_idempotent_and_check_keeps_final_state(planes):
     producer, consumer, *_ = planes
-    handle = consumer.start(None, producer.describe([Run(0, 4)], 4 * BLOCK), [Run(0, 4)],
-                            4 * BLOCK, b"x")
+    handle = consumer.start(
+        None, producer.describe([Run(0, 4)], 4 * BLOCK), [Run(0, 4)], 4 * BLOCK, b"x"
+    )
     assert _wait(consumer, handle) is XferState.DONE
     consumer.release(handle)
     consumer.release(handle)
@@ -292,10 +337,13 @@ def test_declarations_and_options(region_pair):
 
 
 def test_importing_the_module_does_not_import_nixl():
-    code = ("import sys, ectransport.data.nixl as m; "
-            "assert 'nixl' not in sys.modules, 'nixl imported'; print(m.NixlPlane.name)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=False)
+    code = (
+        "import sys, ectransport.data.nixl as m; "
+        "assert 'nixl' not in sys.modules, 'nixl imported'; print(m.NixlPlane.name)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "nixl"
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from ectransport.protocol import Hello, Status, XferAck, XferDone, XferReq, compat_hash, encode
 import pytest
 
-from ectransport.protocol import Renew
+from ectransport.protocol import (
+    Hello,
+    Renew,
+    Status,
+    XferAck,
+    XferDone,
+    XferReq,
+    compat_hash,
+    encode,
+)
 from ectransport.session import FetchState, Landed, Miss, MissReason, PostRead, Release, Report
 
 from .helpers import BLOCK, make_consumer, make_producer, msgs, pump, put
@@ -84,7 +92,11 @@ def test_retryable_nack_until_deadline_is_a_typed_miss():
         t += 0.01
         got = reports(pump(p, c, c.poll(t), t))
     (m,) = got
-    assert m.reason is MissReason.BUSY and "NACK_BUSY" in m.detail and t == pytest.approx(1.0, abs=0.02)
+    assert (
+        m.reason is MissReason.BUSY
+        and "NACK_BUSY" in m.detail
+        and t == pytest.approx(1.0, abs=0.02)
+    )
     assert c.blocked_until == 0.0  # BUSY does not quarantine the producer
 
 
@@ -208,9 +220,23 @@ def test_grant_with_wrong_layout_refused():
     connected(p, c)
     c.fetch("a", 0.0, 10.0)
     from ectransport.protocol import Grant
-    bad = XferAck(v=1, session_id=c.session_id, mm_hash="a", status=Status.OK, detail="",
-                  grant=Grant(grant_id=1, entry_bytes=100, num_blocks=1, block_bytes=BLOCK * 2,
-                              lease_s=30, plane="nixl", plane_grant=b""))
+
+    bad = XferAck(
+        v=1,
+        session_id=c.session_id,
+        mm_hash="a",
+        status=Status.OK,
+        detail="",
+        grant=Grant(
+            grant_id=1,
+            entry_bytes=100,
+            num_blocks=1,
+            block_bytes=BLOCK * 2,
+            lease_s=30,
+            plane="nixl",
+            plane_grant=b"",
+        ),
+    )
     out = c.on_frame(encode(bad), 0.1)
     assert reports(out)[0].reason is MissReason.INTERNAL
     assert c.store.free_blocks == c.store.num_blocks
@@ -232,8 +258,9 @@ def test_duplicate_fetch_refused_and_foreign_ack_ignored():
     c.fetch("a", 0.0, 10.0)
     (m,) = reports(c.fetch("a", 0.0, 10.0))
     assert m.reason is MissReason.INTERNAL
-    foreign = XferAck(v=1, session_id="x" * 32, mm_hash="a", status=Status.NACK_MISSING,
-                      grant=None, detail="")
+    foreign = XferAck(
+        v=1, session_id="x" * 32, mm_hash="a", status=Status.NACK_MISSING, grant=None, detail=""
+    )
     assert c.on_frame(encode(foreign), 0.1) == []
     assert c.on_frame(b"\xc1garbage", 0.1) == []
     _ = XferReq  # the request is still pending
@@ -301,8 +328,14 @@ def test_nack_internal_quarantines_producer():
     c = make_consumer()
     connected(p, c)
     c.fetch("a", 0.0, 10.0)
-    bad = XferAck(v=1, session_id=c.session_id, mm_hash="a", status=Status.NACK_INTERNAL,
-                  grant=None, detail="boom")
+    bad = XferAck(
+        v=1,
+        session_id=c.session_id,
+        mm_hash="a",
+        status=Status.NACK_INTERNAL,
+        grant=None,
+        detail="boom",
+    )
     (m,) = reports(c.on_frame(encode(bad), 0.1))
     assert m.reason is MissReason.INTERNAL
     assert reports(c.fetch("b", 0.2, 10.0))[0].reason is MissReason.QUARANTINED

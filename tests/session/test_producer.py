@@ -21,8 +21,17 @@ SID = "s" * 32
 
 
 def hello(sid=SID, versions=(1,), planes=("nixl",), compat=COMPAT, v=None):
-    return encode(Hello(v=v or max(versions), session_id=sid, node_id="c", versions=list(versions),
-                        planes=list(planes), compat_hash=compat, mem_kinds=["DRAM"]))
+    return encode(
+        Hello(
+            v=v or max(versions),
+            session_id=sid,
+            node_id="c",
+            versions=list(versions),
+            planes=list(planes),
+            compat_hash=compat,
+            mem_kinds=["DRAM"],
+        )
+    )
 
 
 def req(mm, sid=SID, v=1, compat=COMPAT):
@@ -105,7 +114,9 @@ def test_nacks_missing_not_ready_incompat_bad_request():
     other = compat_hash("m", "float16", 8)
     assert ack_of(p.on_frame("peer1", req("nr", compat=other), 0.0)).status is Status.NACK_INCOMPAT
     assert ack_of(p.on_frame("peer1", req("nr", sid=""), 0.0)).status is Status.NACK_BAD_REQUEST
-    assert ack_of(p.on_frame("peer1", req("nr", sid="f" * 32), 0.0)).status is Status.NACK_BAD_REQUEST
+    assert (
+        ack_of(p.on_frame("peer1", req("nr", sid="f" * 32), 0.0)).status is Status.NACK_BAD_REQUEST
+    )
     assert store.get("nr").pins == 0 and p.active_grants == 0
 
 
@@ -172,10 +183,14 @@ def test_renew_extends_never_shortens():
     put(store, "a", 1)
     welcomed(p)
     g = ack_of(p.on_frame("peer1", req("a"), 0.0)).grant
-    p.on_frame("peer1", encode(Renew(v=1, session_id=SID, grant_ids=[g.grant_id], extend_s=20.0)), 25.0)
+    p.on_frame(
+        "peer1", encode(Renew(v=1, session_id=SID, grant_ids=[g.grant_id], extend_s=20.0)), 25.0
+    )
     p.poll(44.9)
     assert store.get("a").pins == 1
-    p.on_frame("peer1", encode(Renew(v=1, session_id=SID, grant_ids=[g.grant_id], extend_s=1.0)), 45.0)
+    p.on_frame(
+        "peer1", encode(Renew(v=1, session_id=SID, grant_ids=[g.grant_id], extend_s=1.0)), 45.0
+    )
     p.poll(45.01)
     assert store.get("a").pins == 1  # a shorter extension did not shorten the lease
     p.poll(45.0 + 0.1 + 0.0)
@@ -186,8 +201,16 @@ def test_renew_extends_never_shortens():
 def test_garbage_frames_get_nack_and_take_no_pin():
     p, store = make_producer()
     put(store, "a", 1)
-    for junk in (b"", b"\xc1", b"\x80", encode(Hello(v=1, session_id="", node_id="", versions=[],
-                                                       planes=[], compat_hash="", mem_kinds=[]))[:-3]):
+    for junk in (
+        b"",
+        b"\xc1",
+        b"\x80",
+        encode(
+            Hello(
+                v=1, session_id="", node_id="", versions=[], planes=[], compat_hash="", mem_kinds=[]
+            )
+        )[:-3],
+    ):
         out = p.on_frame("peer1", junk, 0.0)
         assert len(out) == 1
     assert store.get("a").pins == 0

@@ -88,7 +88,7 @@ def test_discard_pinned_refused():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("alloc ready pin unpin discard".split()),
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "ready", "pin", "unpin", "discard"]),
                           st.integers(0, 7), st.integers(0, 40)), max_size=60))
 def test_random_operations_keep_invariants(ops):
     s = BlockStore(16, 4)
