@@ -57,7 +57,7 @@ from ectransport.store import BlockStore, HostRegion, Run
 
 log = logging.getLogger("ectransport.node.consumer")
 
-#: How long the I/O loop sleeps between checks of in-flight transfers, seconds.
+#: While transfers are in flight the I/O loop sleeps this long between checks, seconds.
 _BUSY_SLEEP_S = 50e-6
 
 
@@ -390,9 +390,11 @@ class ConsumerNode:
         busy = any(s.reading() for s in self._sessions.values())
         events = control.poll(0.0 if busy else self._idle_timeout())
         if busy and not events and not self._inbox:
-            # A transfer is in flight: yield the CPU briefly instead of spinning, so the data
-            # plane's own progress threads (and the producer, on a small host) can run; the
-            # sleep bounds the added latency to ~_BUSY_SLEEP_S (zmq polls have 1 ms granularity).
+            # A transfer is in flight: yield the CPU between checks instead of spinning, so the
+            # data plane's progress threads (and the producer, on a small host) can run; the sleep
+            # bounds the added latency to ~_BUSY_SLEEP_S (zmq polls have 1 ms granularity).
+            # Measured on 2 cores, interleaved: spinning made 64 KiB fetches 5x slower (8.5 vs
+            # 1.7 ms p50) and 8.8 MiB ones 1.2x slower.
             time.sleep(_BUSY_SLEEP_S)
         now = time.monotonic()
         while self._inbox:
