@@ -76,7 +76,11 @@ def test_configure_logging_replaces_its_own_handler():
     try:
         configure_logging("INFO", "text", stream=io.StringIO())
         configure_logging("INFO", "json", stream=buf)
-        assert len(root.handlers) == len(before) + 1
+        ours = [h for h in root.handlers if h not in before]
+        assert len(ours) == 1  # the second call replaced the first call's handler
+        # foreign handlers are untouched (an earlier test may have left one of ours: replaced)
+        assert [h for h in root.handlers if h in before] == \
+            [h for h in before if not getattr(h, "_ectransport_handler", False)]
         logging.getLogger("ectransport.test").info("hello", extra={"peer": "x"})
         assert json.loads(buf.getvalue().strip().splitlines()[-1])["peer"] == "x"
     finally:
