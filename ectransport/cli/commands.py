@@ -46,11 +46,19 @@ def layout_options(fn):
 
 
 def demo_layout(hidden: int, dtype: str, seed: int):
+    """The reference encoder (imports torch) and the layout of its outputs."""
     from ectransport.demo.encoder import ReferenceEncoder
-    from ectransport.node.common import Layout
 
     enc = ReferenceEncoder(hidden=hidden, dtype=dtype, seed=seed)
-    return enc, Layout(model_id=enc.model_id, dtype=dtype, hidden=hidden)
+    return enc, reference_layout(hidden, dtype, seed)
+
+
+def reference_layout(hidden: int, dtype: str, seed: int):
+    """The layout of the reference encoder's outputs, without building the encoder (fast)."""
+    from ectransport.demo.encoder import reference_model_id
+    from ectransport.node.common import Layout
+
+    return Layout(model_id=reference_model_id(hidden, seed), dtype=dtype, hidden=hidden)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -196,6 +204,9 @@ def demo(ctx, images, hidden, dtype, seed, repeats, planes, insecure, json_out, 
 
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Control-plane bind address.")
+@click.option("--advertise-host", default=None,
+              help="Address consumers reach this host at; required with a wildcard --host "
+                   "(0.0.0.0) for the tcp and ucx planes, which put it in their grants.")
 @click.option(
     "--port",
     default=5601,
@@ -297,6 +308,7 @@ def serve(
         {
             **LAYOUT_FLAGS,
             "host": ("producer.host", "--host"),
+            "advertise_host": ("producer.advertise_host", "--advertise-host"),
             "port": ("producer.port", "--port"),
             "key_file": ("security.key_file", "--key"),
             "allow_dir": ("security.allow_dir", "--allow-dir"),
@@ -362,10 +374,10 @@ def serve(
             else:
                 click.echo(
                     f"encoded {item.name}: {d['tokens']} tokens, {d['nbytes']} bytes, "
-                    f"mm_hash {item.mm_hash[:16]}"
+                    f"mm_hash {item.mm_hash}"
                 )
         info = {
-            "host": node.host,
+            "host": s.producer.advertise_host or node.host,
             "port": node.port,
             "public_key": node.public_key,
             "planes": list(planes),
@@ -470,7 +482,7 @@ def fetch(
     key_file = Path(s.security.key_file) if s.security.key_file else None
     timeout_s = s.consumer.fetch_timeout_s
     host, port = parse_address(address)
-    _, layout = demo_layout(s.layout.hidden, s.layout.dtype, s.layout.seed)
+    layout = reference_layout(s.layout.hidden, s.layout.dtype, s.layout.seed)
     if insecure:
         security, pub = Security(insecure=True), None
     else:

@@ -61,6 +61,8 @@ class SecuritySettings(_Section):
 
 class ProducerSettings(_Section):
     host: doc(str, "control-plane bind address") = "127.0.0.1"
+    advertise_host: doc(str | None, "address consumers reach this host at (required with a "
+                                    "wildcard host for the tcp/ucx planes)") = None
     port: doc(Port, "control-plane port, 0 = any free port") = 5601
     region_bytes: doc(int, "host region for cached entries, bytes (whole blocks)", ge=1) = 1 << 30
     lease_s: doc(float, "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1) = 30.0
@@ -199,6 +201,7 @@ class Settings(_Section):
         """Keyword arguments for ``ProducerNode`` (all but ``layout`` and ``security``)."""
         p = self.producer
         return {"region_bytes": p.region_bytes, "host": p.host, "port": p.port,
+                "advertise_host": p.advertise_host,
                 "planes": tuple(self.node.planes), "lease_s": p.lease_s,
                 "budget_bytes": p.budget_bytes, "node_id": self.node.node_id,
                 "plane_options": self.plane_options(),

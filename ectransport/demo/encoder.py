@@ -162,6 +162,15 @@ def _fixed_threads(n: int = 1) -> Iterator[None]:
                 torch.set_num_threads(old)
 
 
+def reference_model_id(hidden: int = 3584, seed: int = 0, embed_dim: int = 1024,
+                       min_pixels: int = DEFAULT_MIN_PIXELS,
+                       max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
+    """The model id of a :class:`ReferenceEncoder` with these settings, without building it (no
+    torch import): what a consumer that only fetches needs for its compatibility hash."""
+    return (f"ectransport-reference-encoder/v1/seed={seed}/embed={embed_dim}"
+            f"/hidden={hidden}/pixels={min_pixels}-{max_pixels}")
+
+
 class ReferenceEncoder:
     """Deterministic Qwen2-VL-shaped vision encoder with seeded random weights.
 
@@ -236,10 +245,8 @@ class ReferenceEncoder:
     @property
     def model_id(self) -> str:
         """Identifies the weights and shapes (feed it to the compatibility hash)."""
-        return (
-            f"ectransport-reference-encoder/v1/seed={self.seed}/embed={self.embed_dim}"
-            f"/hidden={self.hidden}/pixels={self.min_pixels}-{self.max_pixels}"
-        )
+        return reference_model_id(self.hidden, self.seed, self.embed_dim, self.min_pixels,
+                                  self.max_pixels)
 
     @property
     def element_size(self) -> int:

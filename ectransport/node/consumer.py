@@ -423,7 +423,7 @@ class ConsumerNode:
             elif kind == "Up":
                 self._execute(s, s.on_up(now), now)
             elif kind == "AuthFailed":
-                log.error("authentication with producer %s failed: %s", conn, ev.reason)
+                log.info("authentication with producer %s failed: %s", conn, ev.reason)
                 self._execute(s, s.on_auth_failed(ev.reason, now), now)
             elif kind == "Down":
                 self._execute(s, s.on_peer_down(now), now)

@@ -37,6 +37,32 @@ _HOSTED_PLANES = frozenset({"tcp", "ucx"})
 _WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 
+def _hosted_plane_options(name: str, opts: dict[str, Any], host: str,
+                          advertise_host: str | None) -> dict[str, Any]:
+    """Serve a hosted plane where the control plane listens, and advertise a reachable address.
+
+    Raises:
+        ConfigError: a wildcard ``host`` without ``advertise_host`` (consumers could not reach
+            the plane: its grants would name an unusable address).
+    """
+    if name not in _HOSTED_PLANES:
+        return opts
+    if host not in _WILDCARDS:
+        opts.setdefault("host", host)
+        return opts
+    if advertise_host is None and "advertise_host" not in opts and \
+            opts.get("host") in (None, *_WILDCARDS):
+        raise ConfigError(f"the {name} plane with a wildcard host ({host!r}) needs advertise_host "
+                          f"(serve --advertise-host): the address consumers reach this host at")
+    if name == "tcp":
+        opts.setdefault("host", host)
+        if advertise_host is not None:
+            opts.setdefault("advertise_host", advertise_host)
+    elif advertise_host is not None:
+        opts.setdefault("host", advertise_host)  # ucx binds every interface; host goes in grants
+    return opts
+
+
 class ProducerNode:
     """Serve encoder-cache entries (see module docstring).
 
@@ -53,8 +79,9 @@ class ProducerNode:
             other processes write into); its ``block_bytes`` must be ``layout.block_bytes``,
             ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
         plane_options: plane name → keyword options for that plane's constructor (``tcp`` and
-            ``ucx`` default their ``host`` to ``host`` unless it is a wildcard; then pass
-            ``advertise_host``).
+            ``ucx`` serve on ``host``).
+        advertise_host: the address consumers reach this host at; required with a wildcard
+            ``host`` when the ``tcp`` or ``ucx`` plane is offered (their grants name it).
         control_options: keyword options for :class:`ZmqControlServer` (heartbeats, frame and
             rate limits, ``handshake_timeout_s``).
         observer: optional ``(event, fields) -> None`` told what happens, for metrics and logs
@@ -83,6 +110,7 @@ class ProducerNode:
         region: HostRegion | None = None,
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
+        advertise_host: str | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
     ):
         self._observers: list[Callable[[str, dict[str, Any]], None]] = \
@@ -109,9 +137,8 @@ class ProducerNode:
         self._allow = None
         try:
             for name in planes:
-                opts = dict((plane_options or {}).get(name, {}))
-                if name in _HOSTED_PLANES and host not in _WILDCARDS:
-                    opts.setdefault("host", host)  # serve the data plane where the control plane is
+                opts = _hosted_plane_options(name, dict((plane_options or {}).get(name, {})),
+                                             host, advertise_host)
                 self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region,
                                                       **opts)
             allow = None

@@ -50,3 +50,18 @@ def test_disjoint_planes_are_a_typed_error_naming_both_lists(closing):
     miss = consumer.fetch(addr, "m", timeout_s=5)
     assert not miss.ok and miss.reason.value == "incompatible"
     assert producer.stats()["grants"] == 0
+
+
+def test_wildcard_bind_with_hosted_planes_needs_an_advertised_address():
+    from ectransport.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="advertise_host"):
+        ProducerNode(layout=LAYOUT, region_bytes=1 << 20, host="0.0.0.0", planes=("tcp",),
+                     security=Security(insecure=True))
+    node = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, host="0.0.0.0",
+                        planes=("tcp", "nixl"), advertise_host="127.0.0.1",
+                        security=Security(insecure=True))
+    try:
+        assert node.plane_transports()["tcp"].startswith("tcp 127.0.0.1:")  # what grants name
+    finally:
+        node.close()
