@@ -281,6 +281,7 @@ def demo(ctx, images, hidden, dtype, seed, repeats, planes, insecure, json_out, 
 def serve(
     ctx,
     host,
+    advertise_host,
     port,
     key_file,
     allow_dir,
