@@ -397,16 +397,17 @@ class ZmqControlServer(ControlServer):
             if route in self._gone:
                 continue  # queued before its connection closed; nobody can be answered
             user = ""
+            peer = self._route_peer.get(route)
             if secure:
                 try:
                     user = msg.get("User-Id")
                 except zmq.ZMQError:
                     user = ""
-                if not is_z85_key(user):
+                # validated once per connection (the route's first frame), not on every frame
+                if (peer is None or peer.user != user) and not is_z85_key(user):
                     self.malformed_dropped += 1
                     log.warning("dropping frame without an authenticated CURVE User-Id")
                     continue
-            peer = self._route_peer.get(route)
             if peer is None:
                 peer = self._route_peer[route] = PeerId(route, user)
                 self._track_fd(msg, peer, events)

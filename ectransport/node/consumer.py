@@ -389,13 +389,6 @@ class ConsumerNode:
     def _step(self, control) -> None:
         busy = any(s.reading() for s in self._sessions.values())
         events = control.poll(0.0 if busy else self._idle_timeout())
-        if busy and not events and not self._inbox:
-            # A transfer is in flight: yield the CPU between checks instead of spinning, so the
-            # data plane's progress threads (and the producer, on a small host) can run; the sleep
-            # bounds the added latency to ~_BUSY_SLEEP_S (zmq polls have 1 ms granularity).
-            # Measured on 2 cores, interleaved: spinning made 64 KiB fetches 5x slower (8.5 vs
-            # 1.7 ms p50) and 8.8 MiB ones 1.2x slower.
-            time.sleep(_BUSY_SLEEP_S)
         now = time.monotonic()
         while self._inbox:
             kind, producer, mm_hash, deadline, fut = self._inbox.popleft()
@@ -437,6 +430,13 @@ class ConsumerNode:
                 self._check_connecting(s, now)
             if s.failed is not None and not s.in_flight():
                 self._drop(s)
+        if not self._inbox and any(s.reading() for s in self._sessions.values()):
+            # A transfer is still in flight after this round of checks: yield the CPU instead of
+            # spinning, so the data plane's progress threads (and the producer, on a small host)
+            # can run; the sleep bounds the added latency to ~_BUSY_SLEEP_S (zmq polls have 1 ms
+            # granularity). Measured on 2 cores, interleaved: spinning made 64 KiB fetches 5x
+            # slower (8.5 vs 1.7 ms p50) and 8.8 MiB ones 1.2x slower.
+            time.sleep(_BUSY_SLEEP_S)
 
     def _idle_timeout(self) -> float:
         ds = [d for s in self._sessions.values() if (d := s.next_deadline()) is not None]
@@ -518,6 +518,10 @@ class ConsumerNode:
                     self._execute(s, s.on_read_failed(c.key, str(e), now), now)
                 else:
                     self._execute(s, s.on_read_posted(c.key, handle, now), now)
+                    state = plane.check(handle)  # UCX may have copied inside start() already
+                    if state.value != "proc":
+                        t = time.monotonic()
+                        self._execute(s, s.on_read_state(c.key, state.value, t), t)
             elif isinstance(c, Release):
                 self._planes[s.plane].release(c.handle) if s.plane else None
             elif isinstance(c, Report):

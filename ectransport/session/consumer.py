@@ -561,15 +561,16 @@ class ConsumerSession:
 
     def _finish(self, f: Fetch, outcome: Landed | Miss, ok: bool) -> list[Command]:
         del self._fetches[f.mm_hash]
-        cmds: list[Command] = []
+        if not ok and f.entry is not None:
+            self.store.discard(f.entry.mm_hash)
+        # the caller first: the release and the XferDone send (which wakes ZeroMQ's I/O thread)
+        # follow, instead of delaying the outcome by a thread switch (measured ~1.5 ms on 2 cores)
+        cmds: list[Command] = [Report(outcome)]
         if f.handle is not None:
             cmds.append(Release(f.handle))
             f.handle = None
-        if not ok and f.entry is not None:
-            self.store.discard(f.entry.mm_hash)
         if f.grant_id >= 0 and self.welcomed:
             cmds.append(self._done(f.mm_hash, f.grant_id, ok=ok))
-        cmds.append(Report(outcome))
         return cmds
 
     def _quarantine_fetch(
