@@ -1,8 +1,21 @@
 """Consumer side and orchestration of the ectransport benchmark (see ``docs/performance.md``).
 
-The producer side runs in another OS process (``benchmarks/server.py``). This process measures,
-for each entry size, in the same run and interleaved rep by rep (A/B/A/B, order reversed on odd
-reps to cancel drift):
+The producer side runs in another OS process (``benchmarks/server.py``). The run is a sequence of
+phases; each opens, in both processes, only what it measures and closes it before the next (every
+NIXL agent's progress thread spins, so idle agents of other paths would starve the measured one
+on this 2-core host). Within a phase the paths are interleaved rep by rep (A/B/A/B, order
+reversed on odd reps to cancel drift). Phases:
+
+* ``baselines``: memcpy and safetensors, nothing else open;
+* ``<plane>-curve`` / ``<plane>-plain``: one ProducerNode offering only that plane + the plane's
+  raw endpoint; latency per size (and, CURVE on, pipelined throughput) of ect-<plane> A/B with
+  raw-<plane>; for nixl the raw endpoint is then closed and a pyzmq echo opened for the
+  control-plane round trip;
+* ``solo-*``: 8.8 MiB with ect-nixl alone, then raw-nixl alone (what the A/B partner costs);
+* ``consumers-nixl``: N ConsumerNodes vs N raw agents, one group alive at a time;
+* ``recompute``.
+
+Paths measured:
 
 * ectransport fetches over each plane, CURVE on (and off);
 * the raw plane without ectransport: NIXL READ between two agents, ucxx tag send/recv, TCP
@@ -20,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -134,6 +148,9 @@ def log(msg: str) -> None:
 
 
 class Server:
+    """The producer process (``server.py``): opens/closes endpoints on command, one phase at a
+    time; between phases nothing is open in it."""
+
     def __init__(self, cfg: Config, sizes: list[int], keydir: Path):
         from ectransport.control.keys import allow_key, generate_keypair
 
@@ -142,28 +159,44 @@ class Server:
         allow_key(keydir / "allow", keydir / "keys" / "consumer.key")
         self.consumer_secret = str(keydir / "keys" / "consumer.key_secret")
         conf = {"sizes": sizes, "planes": cfg.planes, "hidden": HIDDEN,
-                "copies": [copies_of(n) for n in sizes], "insecure_too": cfg.curve_off,
+                "copies": [copies_of(n) for n in sizes],
                 "producer_secret": str(keydir / "keys" / "producer.key_secret"),
                 "allow_dir": str(keydir / "allow")}
         self.errf = open(keydir / "server.stderr", "w+")
         self.proc = subprocess.Popen([sys.executable, str(HERE / "server.py"), "--config",
                                       json.dumps(conf)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.errf, text=True)
-        q: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [q.put(ln) for ln in self.proc.stdout] + [q.put(None)],
-                         daemon=True).start()
-        deadline = time.monotonic() + 180
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self._q.put(ln) for ln in self.proc.stdout]
+                         + [self._q.put(None)], daemon=True).start()
+        self.info = self._reply(180)["ready"]
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 line = None
             if line is None:
                 self.errf.seek(0)
-                raise RuntimeError("benchmark server failed to start:\n" + self.errf.read()[-3000:])
+                raise RuntimeError("benchmark server died or hung:\n" + self.errf.read()[-3000:])
             if line.startswith("{"):
-                self.info = json.loads(line)["ready"]
-                return
+                return json.loads(line)
+
+    def call(self, timeout: float = 180, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout)
+
+    def open(self, **req) -> tuple[int, dict]:
+        r = self.call(op="open", **req)
+        if "error" in r:
+            raise RuntimeError(r["error"])
+        return r["id"], r["info"]
+
+    def close_ep(self, h: int) -> dict:
+        return self.call(op="close", id=h)
 
     def close(self) -> None:
         try:
@@ -174,19 +207,100 @@ class Server:
         self.errf.close()
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class Phase:
+    """One measurement phase: only the endpoints it opens are alive, in both processes.
+
+    On entry it checks that both processes are idle (threads, CPU-s/s over 0.5 s: a leftover
+    NIXL agent would show ~0.3-0.7 CPU-s/s); on exit it closes what it opened, consumer side
+    first, and records its duration and load average."""
+
+    def __init__(self, result: dict, server: Server, name: str):
+        self.result, self.server, self.name = result, server, name
+        self.remote: list[int] = []
+        self.local: list = []
+        self.rec: dict = {"name": name, "opened": []}
+
+    def __enter__(self) -> Phase:
+        gc.collect()
+        self.rec["loadavg_start"] = os.getloadavg()[0]
+        c0 = _cpu_s()
+        idle = self.server.call(op="idle", seconds=0.5)
+        self.rec["idle_before"] = {
+            "server": {"threads": idle["threads"], "cpu_per_s": round(idle["cpu_per_s"], 3),
+                       "open": idle["open"]},
+            "consumer": {"threads": _threads(), "cpu_per_s": round((_cpu_s() - c0) / 0.5, 3)}}
+        self.t0 = time.perf_counter()
+        log(f"phase {self.name}: start (idle check {self.rec['idle_before']})")
+        return self
+
+    def open(self, label: str, **req) -> dict:
+        h, info = self.server.open(**req)
+        self.remote.append(h)
+        self.rec["opened"].append(label)
+        return {"id": h, **info}
+
+    def close_remote(self, h: int) -> None:
+        if h in self.remote:
+            self.remote.remove(h)
+            self.server.close_ep(h)
+
+    def add(self, obj):
+        self.local.append(obj)
+        return obj
+
+    def drop(self, obj) -> None:
+        if obj in self.local:
+            self.local.remove(obj)
+            obj.close()
+
+    def running(self) -> None:
+        """Record the thread counts with everything of this phase open."""
+        self.rec.setdefault("threads_open", []).append(
+            {"server": self.server.call(op="idle", seconds=0.0)["threads"],
+             "consumer": _threads()})
+
+    def __exit__(self, *exc) -> None:
+        for obj in reversed(self.local):
+            try:
+                obj.close()
+            except Exception as e:
+                log(f"phase {self.name}: closing {obj}: {e}")
+        self.local.clear()
+        gc.collect()
+        for h in reversed(self.remote):
+            try:
+                self.server.close_ep(h)
+            except Exception as e:
+                log(f"phase {self.name}: closing server endpoint {h}: {e}")
+        self.remote.clear()
+        self.rec["seconds"] = round(time.perf_counter() - self.t0, 1)
+        self.rec["loadavg_end"] = os.getloadavg()[0]
+        self.result["phases"].append(self.rec)
+        log(f"phase {self.name}: done in {self.rec['seconds']} s, opened {self.rec['opened']}")
+
+
 # -- paths: each has setup(), one(size_index, slot) -> seconds, window(size_index, k, m) ----------
 
 
 class EctPath:
-    def __init__(self, name: str, plane: str, curve: bool, server: Server, sizes: list[int],
-                 max_k: dict[int, int]):
+    def __init__(self, name: str, plane: str, curve: bool, ect: dict, consumer_secret: str,
+                 sizes: list[int], max_k: dict[int, int]):
+        """``ect``: what the server's ``open kind=ect`` answered (port, public_key)."""
         from ectransport.node.common import Layout, Security
         from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
         self.name, self.plane, self.curve = name, plane, curve
-        ect = server.info["ect"]["curve" if curve else "plain"]
         self.addr = ProducerAddress("127.0.0.1", ect["port"], ect["public_key"] if curve else None)
-        sec = Security.from_files(server.consumer_secret) if curve else Security(insecure=True)
+        sec = Security.from_files(consumer_secret) if curve else Security(insecure=True)
         # landing region: max_k[i] entries of size i in flight, plus one being given back
         need = max(-(-sizes[i] // BLOCK) * (k + 1) for i, k in max_k.items())
         with nixl_env() if plane == "nixl" else contextlib.nullcontext():
@@ -237,6 +351,7 @@ class EctPath:
 
     def close(self) -> None:
         self.node.close()
+        self.node = None
 
 
 def _slots(n: int, nbytes: int) -> list[np.ndarray]:
@@ -251,10 +366,9 @@ def _slots(n: int, nbytes: int) -> list[np.ndarray]:
 class RawNixl:
     _ids = itertools.count()
 
-    def __init__(self, server: Server, sizes: list[int], slots: int):
+    def __init__(self, r: dict, sizes: list[int], slots: int):
         from nixl._api import nixl_agent, nixl_agent_config
 
-        r = server.info["raw"]["nixl"]
         self.name = "raw-nixl"
         self.remote = r["agent"]
         self.descs = r["descs"]
@@ -314,15 +428,20 @@ class RawNixl:
 
     def close(self) -> None:
         try:
+            self.agent.remove_remote_agent(self.remote)
+        except Exception:
+            pass
+        try:
             self.agent.deregister_memory(self.reg)
         except Exception:
             pass
+        self.agent = None  # the last reference: the native agent and its progress thread go
 
 
 class RawTcp:
-    def __init__(self, server: Server, sizes: list[int], slots: int):
+    def __init__(self, r: dict, sizes: list[int], slots: int):
         self.name = "raw-tcp"
-        self.port = server.info["raw"]["tcp"]["port"]
+        self.port = r["port"]
         self.sizes = sizes
         self.bufs = _slots(slots, max(sizes))
         self.socks = []
@@ -367,12 +486,12 @@ class RawTcp:
 
 
 class RawUcxx:
-    def __init__(self, server: Server, sizes: list[int], slots: int):
+    def __init__(self, r: dict, sizes: list[int], slots: int):
         import ucxx
 
         self.name = "raw-ucx"
         self.sizes = sizes
-        self.port = server.info["raw"]["ucx"]["port"]
+        self.port = r["port"]
         self.loop = asyncio.new_event_loop()
 
         async def connect():
@@ -536,40 +655,56 @@ def recompute(cfg: Config, labels: list[str], sizes: list[int]) -> dict:
     return out
 
 
-def control_rtt(cfg: Config, server: Server, ect_paths: dict, small: int) -> dict:
+def control_rtt(cfg: Config, z: dict, ect: EctPath, small: int) -> dict:
     """XferReq→XferAck as the consumer sees it (Fetched.timings ack - req) for the smallest size,
-    interleaved with a raw pyzmq DEALER→ROUTER echo of a 170-byte frame (the physical floor)."""
+    interleaved with a raw pyzmq DEALER→ROUTER echo of a 170-byte frame (the physical floor).
+    ``z``: the server's zmq echo of the same security mode; ``ect.curve`` selects the mode."""
     import zmq
 
     ctx = zmq.Context.instance()
-    res = {}
-    for mode in ("plain", "curve"):
-        ect = ect_paths.get(mode)
-        z = server.info["zmq"][mode]
-        d = ctx.socket(zmq.DEALER)
-        if mode == "curve":
-            pub, sec = zmq.curve_keypair()
-            d.curve_serverkey = z["server_key"].encode()
-            d.curve_publickey, d.curve_secretkey = pub, sec
-        d.connect(f"tcp://127.0.0.1:{z['port']}")
-        frame = os.urandom(170)
-        raw = []
-        if ect is not None:
-            ect.rtts.clear()
-        for rep in range(cfg.warmup + cfg.rtt_samples):
-            t0 = time.perf_counter()
-            d.send(frame)
-            d.recv()
-            dt = time.perf_counter() - t0
-            if ect is not None:
-                ect.one(small, rep % 16)
-            if rep >= cfg.warmup:
-                raw.append(dt)
-        d.close(linger=0)
-        res[f"raw-zmq-{mode}"] = stats(raw)
-        if ect is not None:
-            res[f"ect-{mode}"] = stats(ect.rtts[cfg.warmup:])
-    return res
+    d = ctx.socket(zmq.DEALER)
+    if ect.curve:
+        pub, sec = zmq.curve_keypair()
+        d.curve_serverkey = z["server_key"].encode()
+        d.curve_publickey, d.curve_secretkey = pub, sec
+    d.connect(f"tcp://127.0.0.1:{z['port']}")
+    frame = os.urandom(170)
+    raw = []
+    ect.rtts.clear()
+    for rep in range(cfg.warmup + cfg.rtt_samples):
+        t0 = time.perf_counter()
+        d.send(frame)
+        d.recv()
+        dt = time.perf_counter() - t0
+        ect.one(small, rep % 16)
+        if rep >= cfg.warmup:
+            raw.append(dt)
+    d.close(linger=0)
+    mode = "curve" if ect.curve else "plain"
+    return {f"raw-zmq-{mode}": stats(raw), f"ect-{mode}": stats(ect.rtts[cfg.warmup:])}
+
+
+RAW = {"nixl": RawNixl, "tcp": RawTcp, "ucx": RawUcxx}
+
+
+def _open_raw(ph: Phase, result: dict, plane: str, sizes: list[int], slots: int):
+    """Open plane's raw endpoint on both sides (None, error recorded, if it cannot run)."""
+    try:
+        r = ph.open(f"raw-{plane}", kind="raw", plane=plane)
+    except Exception as e:
+        result["errors"][f"raw-{plane}"] = str(e)
+        log(f"raw {plane} unavailable (server side): {e}")
+        return None
+    try:
+        raw = ph.add(RAW[plane](r, sizes, slots))
+    except Exception as e:
+        result["errors"][f"raw-{plane}"] = f"{type(e).__name__}: {e}"
+        log(f"raw {plane} unavailable: {e}")
+        ph.close_remote(r["id"])
+        return None
+    result["transports"][raw.name] = raw.transport
+    raw.remote_id = r["id"]
+    return raw
 
 
 def run(cfg: Config) -> dict:
@@ -585,119 +720,100 @@ def run(cfg: Config) -> dict:
             "platform": platform.platform(), "loadavg_start": load0,
             "config": cfg.__dict__, "block_bytes": BLOCK, "hidden": HIDDEN,
             "method": {
-                "processes": "producer = benchmarks/server.py subprocess; consumer = this process",
+                "processes": "producer = benchmarks/server.py subprocess; consumer = this "
+                             "process; one phase at a time, each opening only what it measures "
+                             "(one ProducerNode for one plane + that plane's raw endpoint) in "
+                             "both processes and closing it before the next",
                 "warmup": f"first {cfg.warmup} samples of every path and size discarded "
                           f"(they pay UCX/NIXL registration, connection set-up, page faults); "
                           f"throughput: 1 warm-up rep discarded",
                 "buffers": "every source/destination buffer and region pre-touched (one write per "
                            "4 KiB page) before timing",
-                "interleave": "per rep one sample of every path, A/B/A/B, order reversed on odd "
+                "interleave": "within a phase, per rep one sample of every path (ectransport "
+                              "over plane X and raw plane X), A/B/A/B, order reversed on odd "
                               "reps",
             },
         },
         "sizes": {lb: n for lb, n in zip(labels, sizes, strict=True)},
         "versions": _versions(),
-        "transports": {}, "latency": {}, "throughput": {}, "consumers": {}, "errors": {},
+        "transports": {}, "latency": {lb: {} for lb in labels}, "throughput": {},
+        "consumers": {}, "control_rtt": {}, "solo": {}, "phases": [], "errors": {},
     }
     tmp = Path(tempfile.mkdtemp(prefix="ect-bench-"))
     disk_dir = Path(tempfile.mkdtemp(prefix="ect-bench-disk-", dir="/var/tmp"))
     shm_dir = Path(tempfile.mkdtemp(prefix="ect-bench-", dir="/dev/shm"))
     server = None
-    opened: list = []
+    small = int(np.argmin(sizes))
     try:
         t0 = time.perf_counter()
         server = Server(cfg, sizes, tmp)
-        result["errors"].update(server.info.get("errors", {}))
-        result["transports"]["producer"] = server.info["ect"]["curve"]["transports"]
         log(f"producer process {server.info['pid']} ready in {time.perf_counter() - t0:.1f} s")
         max_k = {i: min(max(cfg.inflight or [1]), copies_of(n)) for i, n in enumerate(sizes)}
         slots = max([1, *max_k.values()])
-        ect: dict[tuple[str, bool], EctPath] = {}
+
+        # phase: memcpy and safetensors (nothing open in either process)
+        with Phase(result, server, "baselines"):
+            extras: list = [Memcpy(sizes)]
+            if cfg.safetensors:
+                extras += [Safetensors("safetensors-shm", shm_dir, sizes),
+                           Safetensors("safetensors-disk", disk_dir, sizes)]
+            for i, lb in enumerate(labels):
+                reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
+                smp = interleaved(extras, i, cfg.warmup, reps, copies_of(sizes[i]))
+                result["latency"][lb].update({k: stats(v) for k, v in smp.items()})
+            del extras
+
+        # phases: one per plane and security mode — that plane's ProducerNode + its raw endpoint
+        rtt_plane = "nixl" if "nixl" in cfg.planes else cfg.planes[0]
         for plane in cfg.planes:
             for curve in ([True, False] if cfg.curve_off else [True]):
+                mode = "curve" if curve else "plain"
                 name = f"ect-{plane}" + ("" if curve else "-plain")
-                p = EctPath(name, plane, curve, server, sizes,
-                            max_k if curve else dict.fromkeys(max_k, 1))
-                ect[(plane, curve)] = p
-                opened.append(p)
-                result["transports"][name] = p.transport
-        raw: dict[str, object] = {}
-        for plane, cls in (("nixl", RawNixl), ("tcp", RawTcp), ("ucx", RawUcxx)):
-            if plane not in cfg.planes or plane not in server.info["raw"]:
-                continue
-            try:
-                raw[plane] = cls(server, sizes, slots)
-                opened.append(raw[plane])
-                result["transports"][raw[plane].name] = raw[plane].transport
-            except Exception as e:
-                result["errors"][f"raw-{plane}"] = f"{type(e).__name__}: {e}"
-                log(f"raw {plane} unavailable: {e}")
-        mem = Memcpy(sizes)
-        extras: list = [mem]
-        if cfg.safetensors:
-            extras += [Safetensors("safetensors-shm", shm_dir, sizes),
-                       Safetensors("safetensors-disk", disk_dir, sizes)]
+                rawname = f"raw-{plane}" + ("" if curve else "@plain-phase")
+                with Phase(result, server, f"{plane}-{mode}") as ph:
+                    info = ph.open(name, kind="ect", plane=plane, curve=curve)
+                    result["transports"].setdefault("producer", {}).update(info["transports"])
+                    ect = ph.add(EctPath(name, plane, curve, info, server.consumer_secret, sizes,
+                                         max_k if curve else dict.fromkeys(max_k, 1)))
+                    result["transports"][name] = ect.transport
+                    raw = _open_raw(ph, result, plane, sizes, slots)
+                    if raw is not None:
+                        raw.name = rawname
+                    ph.running()
+                    paths = [ect] + ([raw] if raw is not None else [])
+                    for i, lb in enumerate(labels):
+                        t0 = time.perf_counter()
+                        reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
+                        smp = interleaved(paths, i, cfg.warmup, reps, copies_of(sizes[i]))
+                        result["latency"][lb].update({k: stats(v) for k, v in smp.items()})
+                        log(f"latency {plane}-{mode} {lb}: {reps} reps x {len(paths)} paths in "
+                            f"{time.perf_counter() - t0:.1f} s")
+                    if curve:
+                        _throughput(cfg, result, paths, labels, sizes)
+                    if plane == rtt_plane:
+                        # control round trip: the ProducerNode + a pyzmq echo, nothing else
+                        if raw is not None:
+                            ph.drop(raw)
+                            ph.close_remote(raw.remote_id)
+                        z = ph.open(f"zmq-echo-{mode}", kind="zmq", curve=curve)
+                        ph.running()
+                        t0 = time.perf_counter()
+                        result["control_rtt"].update(control_rtt(cfg, z, ect, small))
+                        result["control_rtt"]["entry_bytes"] = sizes[small]
+                        log(f"control round trip {mode}: {time.perf_counter() - t0:.1f} s")
 
-        # latency, one at a time
-        lat_paths = []
-        for plane in cfg.planes:
-            lat_paths += [p for (pl, _), p in ect.items() if pl == plane]
-            if plane in raw:
-                lat_paths.append(raw[plane])
-        lat_paths += extras
-        for i, lb in enumerate(labels):
-            t0 = time.perf_counter()
-            reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
-            samples = interleaved(lat_paths, i, cfg.warmup, reps, copies_of(sizes[i]))
-            result["latency"][lb] = {k: stats(v) for k, v in samples.items()}
-            log(f"latency {lb}: {reps} reps x {len(lat_paths)} paths in "
-                f"{time.perf_counter() - t0:.1f} s")
+        # phases: each of ect-nixl and raw-nixl alone (no A/B partner alive) at 8.8 MiB
+        if "nixl" in cfg.planes and "8.8MiB" in labels:
+            _solo(cfg, result, server, labels.index("8.8MiB"), sizes)
 
-        # pipelined throughput
-        thr_paths = []
-        for plane in cfg.planes:
-            thr_paths.append(ect[(plane, True)])
-            if plane in raw:
-                thr_paths.append(raw[plane])
-        for i, lb in enumerate(labels):
-            if sizes[i] < cfg.thr_min_bytes:
-                continue
-            result["throughput"][lb] = {}
-            done_k: set[int] = set()
-            for k in cfg.inflight:
-                kk = min(k, copies_of(sizes[i]))
-                if kk in done_k:  # capped to a depth already measured for this size
-                    continue
-                done_k.add(kk)
-                t0 = time.perf_counter()
-                r = throughput(thr_paths, i, sizes[i], kk, cfg.thr_reps)
-                result["throughput"][lb][str(k)] = {"inflight": kk, **r}
-                log(f"throughput {lb} k={kk}: {time.perf_counter() - t0:.1f} s")
-
-        # N consumers on one producer
+        # phase: N consumers on one producer
         if cfg.consumers:
-            result["consumers"] = consumers(cfg, server, labels, sizes, ect)
+            result["consumers"] = consumers(cfg, result, server, labels, sizes)
 
-        # control plane round trip
-        small = int(np.argmin(sizes))
-        rtt_paths = {"curve": ect.get(("nixl", True)) or ect.get((cfg.planes[0], True))}
-        if cfg.curve_off:
-            rtt_paths["plain"] = ect.get(("nixl", False)) or ect.get((cfg.planes[0], False))
-        t0 = time.perf_counter()
-        result["control_rtt"] = control_rtt(cfg, server, rtt_paths, small)
-        result["control_rtt"]["entry_bytes"] = sizes[small]
-        log(f"control round trip: {time.perf_counter() - t0:.1f} s")
-
-        # recompute
-        t0 = time.perf_counter()
-        result["recompute"] = recompute(cfg, labels, sizes)
-        log(f"recompute: {time.perf_counter() - t0:.1f} s")
+        # phase: recompute (nothing open)
+        with Phase(result, server, "recompute"):
+            result["recompute"] = recompute(cfg, labels, sizes)
     finally:
-        for p in opened:
-            try:
-                p.close()
-            except Exception:
-                pass
         if server is not None:
             server.close()
         for d in (tmp, disk_dir, shm_dir):
@@ -707,51 +823,104 @@ def run(cfg: Config) -> dict:
     return result
 
 
-def consumers(cfg: Config, server: Server, labels: list[str], sizes: list[int],
-              ect: dict) -> dict:
+def _throughput(cfg: Config, result: dict, paths: list, labels: list[str],
+                sizes: list[int]) -> None:
+    for i, lb in enumerate(labels):
+        if sizes[i] < cfg.thr_min_bytes:
+            continue
+        by_k = result["throughput"].setdefault(lb, {})
+        done_k: set[int] = set()
+        for k in cfg.inflight:
+            kk = min(k, copies_of(sizes[i]))
+            if kk in done_k:  # capped to a depth already measured for this size
+                continue
+            done_k.add(kk)
+            t0 = time.perf_counter()
+            r = throughput(paths, i, sizes[i], kk, cfg.thr_reps)
+            by_k.setdefault(str(k), {"inflight": kk}).update(r)
+            log(f"throughput {lb} k={kk} {[p.name for p in paths]}: "
+                f"{time.perf_counter() - t0:.1f} s")
+
+
+def _solo(cfg: Config, result: dict, server: Server, i: int, sizes: list[int]) -> None:
+    """8.8 MiB one at a time with ONLY ect-nixl (then ONLY raw-nixl) alive: how much the A/B
+    partner's idle NIXL agents (one per process) cost each path. Not interleaved."""
+    lb = next(k for k, v in result["sizes"].items() if v == sizes[i])
+    reps = cfg.reps
+    for which in ("raw-nixl", "ect-nixl", "raw-nixl#2", "ect-nixl#2"):
+        with Phase(result, server, f"solo-{which}") as ph:
+            if which.startswith("ect"):
+                info = ph.open("ect-nixl", kind="ect", plane="nixl", curve=True)
+                p = ph.add(EctPath("ect-nixl", "nixl", True, info, server.consumer_secret, sizes,
+                                   {j: 1 for j in range(len(sizes))}))
+            else:
+                p = _open_raw(ph, result, "nixl", sizes, 1)
+                if p is None:
+                    continue
+            ph.running()
+            smp = interleaved([p], i, cfg.warmup, reps, copies_of(sizes[i]))[p.name]
+            result["solo"].setdefault(lb, {}).setdefault(which.split("#")[0], []).extend(smp)
+    for path, xs in result["solo"].get(lb, {}).items():
+        result["solo"][lb][path] = stats(xs)
+
+
+def consumers(cfg: Config, result: dict, server: Server, labels: list[str],
+              sizes: list[int]) -> dict:
     """N ConsumerNodes (one process, one thread each, 1 in flight each) fetching the same size
-    from one producer vs N raw NIXL agents doing the same; aggregate GB/s."""
+    from one producer vs N raw NIXL agents doing the same; aggregate GB/s. Server side: one
+    ProducerNode (nixl) + the raw NIXL agent. Consumer side: only one group is alive at a time
+    (N idle agents of the other group would starve this one): per N, blocks ect, raw, raw, ect,
+    each opening its group, 1 warm-up rep, then reps, and closing it."""
     i = labels.index(cfg.consumers_size) if cfg.consumers_size in labels else int(np.argmax(sizes))
     nbytes = sizes[i]
     plane = "nixl" if "nixl" in cfg.planes else cfg.planes[0]
     per = 4
-    res: dict = {"size": labels[i], "plane": plane, "fetches_per_consumer_per_rep": per}
-    for n in cfg.consumers:
-        eps = [EctPath(f"ect-{plane}", plane, True, server, sizes, {i: 1}) for _ in range(n)]
-        raws = []
-        if plane == "nixl" and "nixl" in server.info["raw"]:
-            raws = [RawNixl(server, [nbytes if j == i else 1 for j in range(len(sizes))], 1)
-                    for _ in range(n)]
-        groups = [("ect-" + plane, eps)] + ([("raw-nixl", raws)] if raws else [])
-        got: dict[str, list[float]] = {g: [] for g, _ in groups}
-        try:
-            for rep in range(cfg.thr_reps + 1):
-                order = groups if rep % 2 == 0 else groups[::-1]
-                for gname, members in order:
-                    bar = threading.Barrier(n + 1)
+    res: dict = {"size": labels[i], "plane": plane, "fetches_per_consumer_per_rep": per,
+                 "order": "per N: blocks ect, raw, raw, ect (each group opened, 1 warm-up rep, "
+                          "then reps, closed)"}
+    with Phase(result, server, f"consumers-{plane}") as ph:
+        info = ph.open(f"ect-{plane}", kind="ect", plane=plane, curve=True)
+        r = ph.open("raw-nixl", kind="raw", plane="nixl") if plane == "nixl" else None
+        per_block = max(2, -(-cfg.thr_reps // 2))
+        for n in cfg.consumers:
+            got: dict[str, list[float]] = {}
+            for gname in ("ect-" + plane, "raw-nixl", "raw-nixl", "ect-" + plane):
+                if gname == "raw-nixl" and r is None:
+                    continue
+                if gname.startswith("ect"):
+                    members = [EctPath(gname, plane, True, info, server.consumer_secret, sizes,
+                                       {i: 1}) for _ in range(n)]
+                else:
+                    members = [RawNixl(r, [nbytes if j == i else 1 for j in range(len(sizes))], 1)
+                               for _ in range(n)]
+                try:
+                    for rep in range(per_block + 1):
+                        bar = threading.Barrier(n + 1)
 
-                    def work(p, c, bar=bar, n=n):
+                        def work(p, c, bar=bar, n=n):
+                            bar.wait()
+                            for f in range(per):
+                                p.one(i, (c + f * n) % 16 if nbytes <= 9 * MiB else c % 4)
+
+                        ths = [threading.Thread(target=work, args=(p, c))
+                               for c, p in enumerate(members)]
+                        for t in ths:
+                            t.start()
                         bar.wait()
-                        for f in range(per):
-                            p.one(i, (c + f * n) % 16 if nbytes <= 9 * MiB else c % 4)
-
-                    ths = [threading.Thread(target=work, args=(p, c))
-                           for c, p in enumerate(members)]
-                    for t in ths:
-                        t.start()
-                    bar.wait()
-                    t0 = time.perf_counter()
-                    for t in ths:
-                        t.join()
-                    dt = time.perf_counter() - t0
-                    if rep:
-                        got[gname].append(n * per * nbytes / dt / 1e9)
-        finally:
-            for p in eps + raws:
-                p.close()
-        res[str(n)] = {g: {"gbps": statistics.median(x), "min": min(x), "max": max(x),
-                           "n": len(x)} for g, x in got.items()}
-        log(f"{n} consumers done")
+                        t0 = time.perf_counter()
+                        for t in ths:
+                            t.join()
+                        dt = time.perf_counter() - t0
+                        if rep:
+                            got.setdefault(gname, []).append(n * per * nbytes / dt / 1e9)
+                finally:
+                    for p in members:
+                        p.close()
+                    del members
+                    gc.collect()
+            res[str(n)] = {g: {"gbps": statistics.median(x), "min": min(x), "max": max(x),
+                               "n": len(x)} for g, x in got.items()}
+            log(f"{n} consumers done")
     return res
 
 

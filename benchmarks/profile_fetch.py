@@ -3,7 +3,8 @@
     python benchmarks/profile_fetch.py [--plane nixl] [--size 8.8MiB] [-n 200] [--plain]
     py-spy record --subprocesses -o prof.svg -- python benchmarks/profile_fetch.py -n 500
 
-Starts the benchmark server (producer process) and fetches one size repeatedly, printing the
+Starts the benchmark server (producer process) with one ProducerNode offering one plane (nothing
+else open, as in the benchmark's phases) and fetches one size repeatedly, printing the
 p50/min of each phase of ``Fetched.timings`` (req: submit → XferReq sent; ack: → XferAck; posted:
 → data-plane transfer posted; landed: → bytes landed; total) next to the wall time of fetch().
 """
@@ -37,8 +38,10 @@ def main() -> None:
     nbytes = harness.rows_of(a.size) * harness.BLOCK
     with tempfile.TemporaryDirectory() as tmp:
         server = harness.Server(cfg, [nbytes], Path(tmp))
-        try:
-            p = harness.EctPath("ect", a.plane, not a.plain, server, [nbytes], {0: 1})
+        try:  # as in the benchmark's solo phase: one ProducerNode, one ConsumerNode, nothing else
+            _, info = server.open(kind="ect", plane=a.plane, curve=not a.plain)
+            p = harness.EctPath("ect", a.plane, not a.plain, info, server.consumer_secret,
+                                [nbytes], {0: 1})
             phases: dict[str, list[float]] = {}
             walls = []
             for k in range(a.n + 5):

@@ -2,19 +2,20 @@
 
     python benchmarks/server.py --config JSON
 
-It hosts, in one process, everything the consumer (the harness process) measures against:
+It is one long-lived process that opens and closes, on the harness's command, what one
+measurement phase needs (see :func:`main` for the line protocol) — never more:
 
-* ProducerNodes (CURVE on, and with ``--insecure-too`` also plain ZMQ) offering every requested
-  plane, each holding ``copies`` distinct entries per size (distinct keys, so pipelined fetches
-  of one size never join one another);
+* a ProducerNode (CURVE on or off) offering ONE plane, holding ``copies`` distinct entries per
+  size (distinct keys, so pipelined fetches of one size never join one another);
 * raw NIXL: an agent that registered one pre-touched source buffer per size (the consumer READs
   from it with its own agent: no ectransport code on either side);
 * raw TCP: a listener answering ``size index`` requests with ``sendall`` of the source buffer;
 * raw ucxx: a listener (ucxx async API) answering the same requests with ``ep.send``;
-* raw pyzmq ROUTER echo servers, plain and CURVE, for the control-plane round-trip baseline.
+* a raw pyzmq ROUTER echo (plain or CURVE) for the control-plane round-trip baseline.
 
-It prints one JSON line ``{"ready": {...}}`` with every address the consumer needs, then serves
-until stdin closes (the harness closes it to stop the server).
+Every NIXL agent runs a progress thread that spins (most of a core here): hosting all of them
+at once (the first version of this benchmark did) starves every measured path on a 2-core host.
+The source buffers (pre-touched) are made once at start and shared by every endpoint.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _sources(sizes: list[int]) -> list[np.ndarray]:
 # -- raw TCP ----------------------------------------------------------------------------------
 
 
-def _tcp_server(sources: list[np.ndarray]) -> int:
+def _tcp_server(sources: list[np.ndarray]) -> tuple:
+    conns: list[socket.socket] = []
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("127.0.0.1", 0))
@@ -94,16 +96,25 @@ def _tcp_server(sources: list[np.ndarray]) -> int:
                 conn, _ = lsock.accept()
             except OSError:
                 return
+            conns.append(conn)
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            lsock.shutdown(socket.SHUT_RDWR)
+        lsock.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
     threading.Thread(target=accept, daemon=True).start()
-    return lsock.getsockname()[1]
+    return _Closer(close), {"port": lsock.getsockname()[1]}
 
 
 # -- raw ucxx ---------------------------------------------------------------------------------
 
 
-def _ucxx_server(sources: list[np.ndarray]) -> int:
+def _ucxx_server(sources: list[np.ndarray]) -> tuple:
     import asyncio
 
     import ucxx
@@ -129,9 +140,11 @@ def _ucxx_server(sources: list[np.ndarray]) -> int:
             lst = ucxx.create_listener(handler, port=0, endpoint_error_handling=False)
             box["port"] = lst.port
             box["lst"] = lst
+            box["stop"] = stop = asyncio.Event()
+            box["loop"] = loop
             ready.set()
-            while True:
-                await asyncio.sleep(3600)
+            await stop.wait()
+            lst.close()
 
         try:
             loop.run_until_complete(main())
@@ -139,32 +152,49 @@ def _ucxx_server(sources: list[np.ndarray]) -> int:
             box["error"] = f"{type(e).__name__}: {e}"
             ready.set()
 
-    threading.Thread(target=run, daemon=True).start()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
     ready.wait(30)
     if "port" not in box:
         raise RuntimeError(box.get("error", "ucxx listener did not start"))
-    return int(box["port"])
+
+    def close() -> None:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        th.join(10)
+
+    return _Closer(close), {"port": int(box["port"])}
 
 
 # -- raw NIXL ---------------------------------------------------------------------------------
 
 
-def _nixl_source(sources: list[np.ndarray]) -> dict:
+_NIXL_IDS = iter(range(1 << 30))
+
+
+def _nixl_source(sources: list[np.ndarray]) -> tuple:
     from nixl._api import nixl_agent, nixl_agent_config
 
+    name = f"bench-raw-producer-{next(_NIXL_IDS)}"
     with _nixl_env():
-        agent = nixl_agent("bench-raw-producer", nixl_agent_config(backends=["UCX"]))
-    agent.register_memory([(int(s.ctypes.data), s.nbytes, 0, "") for s in sources], "DRAM")
-    _KEEP.append(agent)
-    return {"agent": "bench-raw-producer",
-            "meta": base64.b64encode(agent.get_agent_metadata()).decode(),
+        box = {"agent": nixl_agent(name, nixl_agent_config(backends=["UCX"]))}
+    agent = box["agent"]
+    reg = agent.register_memory([(int(s.ctypes.data), s.nbytes, 0, "") for s in sources], "DRAM")
+    info = {"agent": name, "meta": base64.b64encode(agent.get_agent_metadata()).decode(),
             "descs": [[int(s.ctypes.data), int(s.nbytes)] for s in sources]}
+    del agent
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            box["agent"].deregister_memory(reg)
+        box.clear()  # the last reference: the native agent and its progress thread go
+
+    return _Closer(close), info
 
 
 # -- raw pyzmq echo ---------------------------------------------------------------------------
 
 
-def _zmq_echo(curve: bool) -> dict:
+def _zmq_echo(curve: bool) -> tuple:
     import zmq
 
     ctx = zmq.Context.instance()
@@ -179,24 +209,35 @@ def _zmq_echo(curve: bool) -> dict:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     out["port"] = port
 
-    def run() -> None:
-        while True:
-            try:
-                sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-            except zmq.ZMQError:
-                return
+    stop = threading.Event()
 
-    threading.Thread(target=run, daemon=True).start()
-    _KEEP.append(sock)
-    return out
+    def run() -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(100):  # blocks (no spinning); 100 ms only to notice stop
+                sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+        sock.close(linger=0)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+
+    def close() -> None:
+        stop.set()
+        th.join(5)
+
+    return _Closer(close), out
+
+
+class _Closer:
+    def __init__(self, fn):
+        self.close = fn
 
 
 # -- ectransport ------------------------------------------------------------------------------
 
-_KEEP: list = []
 
-
-def _producer(cfg: dict, sources: list[np.ndarray], insecure: bool) -> dict:
+def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool) -> tuple:
     from ectransport.node.common import Layout, Security
     from ectransport.node.producer import ProducerNode
 
@@ -208,46 +249,101 @@ def _producer(cfg: dict, sources: list[np.ndarray], insecure: bool) -> dict:
         cfg["producer_secret"], allow_dir=cfg["allow_dir"])
     with _nixl_env():  # the UcxPlane passes its UCX options explicitly, it does not need them
         node = ProducerNode(layout=layout, region_bytes=(need + 16) * block, security=sec,
-                            planes=tuple(cfg["planes"]), lease_s=30.0,
-                            node_id="bench-producer-" + ("plain" if insecure else "curve"))
-    node.start()
-    for i, (src, c) in enumerate(zip(sources, copies, strict=True)):
-        rows = src.reshape(-1, block)
-        for k in range(c):
-            if not node.put(f"s{i}-c{k}", rows):
-                raise RuntimeError(f"producer region too small for size {src.nbytes} copy {k}")
-    _KEEP.append(node)
-    return {"port": node.port, "public_key": node.public_key,
-            "transports": node.plane_transports()}
+                            planes=(plane,), lease_s=30.0,
+                            node_id=f"bench-producer-{plane}-" + ("plain" if insecure else "curve"))
+    try:
+        node.start()
+        for i, (src, c) in enumerate(zip(sources, copies, strict=True)):
+            rows = src.reshape(-1, block)
+            for k in range(c):
+                if not node.put(f"s{i}-c{k}", rows):
+                    raise RuntimeError(f"producer region too small for size {src.nbytes} copy {k}")
+    except BaseException:
+        node.close()
+        raise
+    return node, {"port": node.port, "public_key": node.public_key,
+                  "transports": node.plane_transports()}
+
+
+def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
+    """Open one endpoint; returns (object with close(), info for the consumer)."""
+    kind = req["kind"]
+    if kind == "ect":
+        return _producer(cfg, sources, req["plane"], insecure=not req["curve"])
+    if kind == "zmq":
+        return _zmq_echo(req["curve"])
+    if kind == "raw":
+        plane = req["plane"]
+        if plane == "nixl":
+            return _nixl_source(sources)
+        if plane == "tcp":
+            return _tcp_server(sources)
+        if plane == "ucx":
+            return _ucxx_server(sources)
+    raise ValueError(f"unknown endpoint {req}")
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def main() -> None:
+    """Serve commands, one JSON object per line on stdin, one JSON reply per line on stdout:
+
+    * ``{"op": "open", "kind": "ect", "plane": P, "curve": B}`` — a ProducerNode offering only
+      plane P (CURVE on/off) holding every size's entries;
+    * ``{"op": "open", "kind": "raw", "plane": P}`` — the raw endpoint of plane P;
+    * ``{"op": "open", "kind": "zmq", "curve": B}`` — a pyzmq ROUTER echo;
+    * ``{"op": "close", "id": N}``; ``{"op": "idle", "seconds": S}`` (threads and CPU use while
+      idle, to check that nothing left behind spins).
+
+    Nothing is open between phases: the harness opens what one phase needs and closes it after.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     cfg = json.loads(ap.parse_args().config)
-    sizes = cfg["sizes"]
-    planes = cfg["planes"]
-    if "ucx" in planes:
+    if "ucx" in cfg["planes"]:
         import ectransport.data.ucx  # noqa: F401  (record the user's UCX env before ucxx edits it)
-    sources = _sources(sizes)
-    info: dict = {"pid": os.getpid(), "raw": {}, "errors": {}}
-    info["ect"] = {"curve": _producer(cfg, sources, insecure=False)}
-    if cfg.get("insecure_too"):
-        info["ect"]["plain"] = _producer(cfg, sources, insecure=True)
-    info["raw"]["tcp"] = {"port": _tcp_server(sources)}
-    for name, fn in (("nixl", _nixl_source), ("ucx", _ucxx_server)):
-        if name not in planes:
-            continue
+    sources = _sources(cfg["sizes"])
+    import gc
+    import time
+
+    handles: dict[int, object] = {}
+    ids = iter(range(1, 1 << 30))
+    print(json.dumps({"ready": {"pid": os.getpid(), "threads": _threads()}}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req.get("op")
         try:
-            r = fn(sources)
-            info["raw"][name] = r if isinstance(r, dict) else {"port": r}
+            if op == "open":
+                obj, info = _open(cfg, sources, req)
+                h = next(ids)
+                handles[h] = obj
+                reply = {"id": h, "info": info}
+            elif op == "close":
+                obj = handles.pop(req["id"])
+                obj.close()
+                del obj
+                gc.collect()
+                reply = {"closed": req["id"]}
+            elif op == "idle":
+                c0 = _cpu_s()
+                time.sleep(req.get("seconds", 1.0))
+                reply = {"threads": _threads(), "cpu_per_s": (_cpu_s() - c0) / req.get(
+                    "seconds", 1.0), "open": len(handles)}
+            else:
+                raise ValueError(f"unknown op {op!r}")
         except Exception as e:
-            info["errors"][f"raw-{name}"] = f"{type(e).__name__}: {e}"
             traceback.print_exc(file=sys.stderr)
-    info["zmq"] = {"plain": _zmq_echo(False), "curve": _zmq_echo(True)}
-    print(json.dumps({"ready": info}), flush=True)
-    sys.stdin.read()  # until the harness closes our stdin
-    for obj in _KEEP:
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        reply["threads"] = reply.get("threads", _threads())
+        print(json.dumps(reply), flush=True)
+    for obj in handles.values():
         try:
             obj.close()
         except Exception:
