@@ -7,7 +7,8 @@ Rules (see ``protocols/ectp-v1.md``):
   defaulted field that ``omit_defaults`` drops, which makes its version check silently pass);
 * ``Hello`` and ``Welcome`` bodies are frozen for the whole major version, so any two nodes can
   always negotiate; every other frame must carry the version negotiated for its session;
-* no pickle; bytes stay msgpack ``bin``; bulk data never travels on the control plane;
+* frames are msgpack decoded by msgspec into typed Structs, never Python object serialisation;
+  bytes stay msgpack ``bin``; bulk data never travels on the control plane;
 * strings and lists have upper bounds, so a hostile peer cannot make the decoder allocate much.
 """
 
