@@ -9,6 +9,7 @@ import numpy as np
 
 from ectransport.errors import ConfigError
 from ectransport.protocol import compat_hash, element_size
+from ectransport.store import HostRegion
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,22 @@ def as_bytes(tensor: object) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def region_for(layout: Layout, region_bytes: int, region: HostRegion | None) -> HostRegion:
+    """The node's region: ``region`` if given (its blocks must be ``layout.block_bytes``), else a
+    new private one of ``region_bytes`` rounded down to whole blocks.
+
+    Raises:
+        ConfigError: block size mismatch, or ``region_bytes`` smaller than one block.
+    """
+    if region is not None:
+        if region.block_bytes != layout.block_bytes:
+            raise ConfigError(f"region blocks are {region.block_bytes} bytes, the layout's are "
+                              f"{layout.block_bytes}; build the region with layout.block_bytes")
+        return region
+    num_blocks = region_bytes // layout.block_bytes
+    if num_blocks < 1:
+        raise ConfigError(f"region_bytes {region_bytes} is smaller than one block "
+                          f"({layout.block_bytes} bytes)")
+    return HostRegion(num_blocks, layout.block_bytes)

@@ -40,7 +40,7 @@ from ectransport.errors import (
     ProtocolError,
     VersionError,
 )
-from ectransport.node.common import Layout, Security
+from ectransport.node.common import Layout, Security, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import (
     ConsumerConfig,
@@ -202,19 +202,8 @@ class ConsumerNode:
         self.layout = layout
         self.node_id = node_id or f"consumer-{uuid.uuid4().hex[:8]}"
         self._own_region = region is None
-        if region is not None:
-            if region.block_bytes != layout.block_bytes:
-                raise ConfigError(f"region blocks are {region.block_bytes} bytes, the layout's are "
-                                  f"{layout.block_bytes}; build the region with layout.block_bytes")
-            num_blocks = region.num_blocks
-        else:
-            num_blocks = region_bytes // layout.block_bytes
-            if num_blocks < 1:
-                raise ConfigError(f"region_bytes {region_bytes} is smaller than one block "
-                                  f"({layout.block_bytes} bytes)")
-            region = HostRegion(num_blocks, layout.block_bytes)
-        self.region = region
-        self.store = BlockStore(num_blocks, layout.block_bytes)
+        self.region = region_for(layout, region_bytes, region)
+        self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self.fetch_timeout_s = fetch_timeout_s
         extra = dict(session_options or {})
         allowed = {f.name for f in dataclasses.fields(ConsumerConfig)} - {

@@ -24,7 +24,7 @@ from ectransport.control.base import ControlServer
 from ectransport.data.base import DataTransport
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
-from ectransport.node.common import Layout, Security, as_bytes
+from ectransport.node.common import Layout, Security, as_bytes, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send
 from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
@@ -119,19 +119,8 @@ class ProducerNode:
         self.layout = layout
         self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
         self._own_region = region is None
-        if region is not None:
-            if region.block_bytes != layout.block_bytes:
-                raise ConfigError(f"region blocks are {region.block_bytes} bytes, the layout's are "
-                                  f"{layout.block_bytes}; build the region with layout.block_bytes")
-            num_blocks = region.num_blocks
-        else:
-            num_blocks = region_bytes // layout.block_bytes
-            if num_blocks < 1:
-                raise ConfigError(f"region_bytes {region_bytes} is smaller than one block "
-                                  f"({layout.block_bytes} bytes)")
-            region = HostRegion(num_blocks, layout.block_bytes)
-        self.region = region
-        self.store = BlockStore(num_blocks, layout.block_bytes)
+        self.region = region_for(layout, region_bytes, region)
+        self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
         self._control = None
         self._allow = None
