@@ -9,11 +9,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import subprocess
 import sys
-import time
 
 import msgspec
 import numpy as np
 import pytest
+
+from ectransport.testing.conformance import wait_notifs, wait_state
 
 pytest.importorskip("nixl")
 
@@ -33,21 +34,11 @@ def _pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def _wait(plane: NixlPlane, handle, timeout_s: float = DEADLINE_S) -> XferState:
-    end = time.monotonic() + timeout_s
-    while (state := plane.check(handle)) is XferState.PROC:
-        if time.monotonic() > end:
-            return state
-        time.sleep(0.0005)
-    return state
+    return wait_state(plane, handle, timeout_s)
 
 
 def _wait_notifs(plane: NixlPlane, want: int = 1, timeout_s: float = DEADLINE_S) -> list[bytes]:
-    got: list[bytes] = []
-    end = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < end:
-        got += plane.poll_notifications()
-        time.sleep(0.001)
-    return got
+    return wait_notifs(plane, want, timeout_s)
 
 
 @pytest.fixture
@@ -401,11 +392,13 @@ def test_idle_agent_does_not_burn_a_core():
     import subprocess
     import sys
 
-    code = ("import time; from ectransport.store import HostRegion; "
-            "from ectransport.data.nixl import NixlPlane; "
-            "p = NixlPlane(node_id='idle', region=HostRegion(4, 64)); "
-            "t0, w0 = time.process_time(), time.time(); time.sleep(1.5); "
-            "print((time.process_time() - t0) / (time.time() - w0)); p.close()")
+    code = (
+        "import time; from ectransport.store import HostRegion; "
+        "from ectransport.data.nixl import NixlPlane; "
+        "p = NixlPlane(node_id='idle', region=HostRegion(4, 64)); "
+        "t0, w0 = time.process_time(), time.time(); time.sleep(1.5); "
+        "print((time.process_time() - t0) / (time.time() - w0)); p.close()"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 0.5  # spinning measures ~1.0

@@ -14,6 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from ectransport.testing.conformance import wait_notifs, wait_state
+
 pytest.importorskip("ucxx")
 
 from ectransport.data.base import TransferModel, XferState  # noqa: E402
@@ -34,19 +36,11 @@ def _pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def _wait(plane: UcxPlane, handle, timeout_s: float = DEADLINE_S) -> XferState:
-    end = time.monotonic() + timeout_s
-    while (state := plane.check(handle)) is XferState.PROC and time.monotonic() < end:
-        time.sleep(0.0005)
-    return state
+    return wait_state(plane, handle, timeout_s)
 
 
 def _wait_notifs(plane: UcxPlane, want: int = 1, timeout_s: float = DEADLINE_S) -> list[bytes]:
-    got: list[bytes] = []
-    end = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < end:
-        got += plane.poll_notifications()
-        time.sleep(0.001)
-    return got
+    return wait_notifs(plane, want, timeout_s)
 
 
 @pytest.fixture
@@ -68,8 +62,9 @@ def planes(regions):
     producer.close()
 
 
-def _transfer(producer, consumer, prod_region, cons_region, prod_runs, cons_runs, nbytes, seed,
-              notif=b""):
+def _transfer(
+    producer, consumer, prod_region, cons_region, prod_runs, cons_runs, nbytes, seed, notif=b""
+):
     data = _pattern(nbytes, seed)
     prod_region.write(prod_runs, data)
     handle = consumer.start(None, producer.describe(prod_runs, nbytes), cons_runs, nbytes, notif)
@@ -102,8 +97,11 @@ def test_describe_transport_names_the_transports(planes):
         ([Run(0, 1)], [Run(0, 1)], 100),  # a partial block
         ([Run(0, 1)], [Run(3, 1)], 0),  # zero bytes
         ([Run(2, 40)], [Run(100, 40)], 40 * BLOCK - 7),  # many blocks, contiguous
-        ([Run(3 * i, 1) for i in range(256)], [Run(1 + 2 * i, 1) for i in reversed(range(256))],
-         256 * BLOCK - 3),  # 256 single-block runs each side
+        (
+            [Run(3 * i, 1) for i in range(256)],
+            [Run(1 + 2 * i, 1) for i in reversed(range(256))],
+            256 * BLOCK - 3,
+        ),  # 256 single-block runs each side
         ([Run(3, 2), Run(10, 5), Run(40, 1)], [Run(0, 1), Run(20, 4), Run(50, 3)], 8 * BLOCK),
         ([Run(5, 2), Run(7, 3), Run(30, 1)], [Run(60, 4), Run(1, 1), Run(40, 1)], 6 * BLOCK - 1),
         ([Run(0, 1024)], [Run(10, 1024)], 64 * 1024 * 1024),  # 64 MiB
@@ -112,12 +110,20 @@ def test_describe_transport_names_the_transports(planes):
 )
 def test_round_trip(planes, prod_runs, cons_runs, nbytes):
     producer, consumer, prod_region, cons_region = planes
-    sent, got = _transfer(producer, consumer, prod_region, cons_region, prod_runs, cons_runs,
-                          nbytes, seed=nbytes % 1000)
+    sent, got = _transfer(
+        producer,
+        consumer,
+        prod_region,
+        cons_region,
+        prod_runs,
+        cons_runs,
+        nbytes,
+        seed=nbytes % 1000,
+    )
     np.testing.assert_array_equal(got, sent)
     mask = np.ones(cons_region.nbytes, dtype=bool)
     for r in cons_runs:
-        mask[r.start * BLOCK:(r.start + r.count) * BLOCK] = False
+        mask[r.start * BLOCK : (r.start + r.count) * BLOCK] = False
     assert (cons_region.buf[mask] == 0xEE).all()
 
 
@@ -127,8 +133,16 @@ def test_round_trip_with_peer_error_handling(regions):
     consumer = UcxPlane(node_id="c", region=cons_region, peer_error_handling=True)
     try:
         assert "tcp" in producer.describe_transport()
-        sent, got = _transfer(producer, consumer, prod_region, cons_region, [Run(0, 16)],
-                              [Run(16, 16)], 16 * BLOCK, seed=3)
+        sent, got = _transfer(
+            producer,
+            consumer,
+            prod_region,
+            cons_region,
+            [Run(0, 16)],
+            [Run(16, 16)],
+            16 * BLOCK,
+            seed=3,
+        )
         np.testing.assert_array_equal(got, sent)
     finally:
         consumer.close()
@@ -144,8 +158,9 @@ def test_notification_reaches_producer_once(planes):
 
 def test_grant_exposes_only_lengths_of_granted_runs(planes):
     producer = planes[0]
-    grant = msgspec.msgpack.decode(producer.describe([Run(3, 2), Run(5, 1), Run(20, 4)],
-                                                     7 * BLOCK), type=UcxGrant)
+    grant = msgspec.msgpack.decode(
+        producer.describe([Run(3, 2), Run(5, 1), Run(20, 4)], 7 * BLOCK), type=UcxGrant
+    )
     assert grant.lens == [3 * BLOCK, 4 * BLOCK] and grant.blocks == 7
     assert (grant.host, grant.port) == ("127.0.0.1", producer.port) and len(grant.token) == 16
 
@@ -195,8 +210,9 @@ def test_unreachable_producer_is_err(regions):
 def test_producer_closed_mid_transfer_ends_in_err(planes):
     producer, consumer, prod_region, cons_region = planes
     n = 1024
-    handle = consumer.start(None, producer.describe([Run(0, n)], n * BLOCK), [Run(10, n)],
-                            n * BLOCK, b"")
+    handle = consumer.start(
+        None, producer.describe([Run(0, n)], n * BLOCK), [Run(10, n)], n * BLOCK, b""
+    )
     producer.close()
     start = time.monotonic()
     state = _wait(consumer, handle, DEADLINE_S)
@@ -208,8 +224,9 @@ def test_producer_closed_mid_transfer_ends_in_err(planes):
 def test_release_in_flight_stops_landing(planes):
     producer, consumer, prod_region, cons_region = planes
     n = 1024
-    handle = consumer.start(None, producer.describe([Run(0, n)], n * BLOCK), [Run(10, n)],
-                            n * BLOCK, b"")
+    handle = consumer.start(
+        None, producer.describe([Run(0, n)], n * BLOCK), [Run(10, n)], n * BLOCK, b""
+    )
     consumer.release(handle)
     assert consumer.check(handle) in (XferState.DONE, XferState.ERR)
     snapshot = cons_region.buf.copy()
@@ -291,12 +308,15 @@ def test_ucx_plane_leaves_the_process_environment_alone():
     import subprocess
     import sys
 
-    code = ("import os; from ectransport.store import HostRegion; "
-            "from ectransport.data.ucx import UcxPlane; "
-            "p = UcxPlane(node_id='env', region=HostRegion(4, 64)); p.close(); "
-            "print(sorted(k for k in os.environ if k.startswith('UCX_')))")
+    code = (
+        "import os; from ectransport.store import HostRegion; "
+        "from ectransport.data.ucx import UcxPlane; "
+        "p = UcxPlane(node_id='env', region=HostRegion(4, 64)); p.close(); "
+        "print(sorted(k for k in os.environ if k.startswith('UCX_')))"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
