@@ -2,7 +2,7 @@
 
 The producer side runs in another OS process (``benchmarks/server.py``). The run is a sequence of
 phases; each opens, in both processes, only what it measures and closes it before the next (every
-NIXL agent's progress thread spins, so idle agents of other paths would starve the measured one
+NIXL agent has a progress thread; idle agents of other paths would take CPU from the measured one
 on this 2-core host). Within a phase the paths are interleaved rep by rep (A/B/A/B, order
 reversed on odd reps to cancel drift). Phases:
 
@@ -11,7 +11,8 @@ reversed on odd reps to cancel drift). Phases:
   raw endpoint; latency per size (and, CURVE on, pipelined throughput) of ect-<plane> A/B with
   raw-<plane>; for nixl the raw endpoint is then closed and a pyzmq echo opened for the
   control-plane round trip;
-* ``solo-*``: 8.8 MiB with ect-nixl alone, then raw-nixl alone (what the A/B partner costs);
+* ``solo-*``: 8.8 MiB with ect-nixl alone, raw-nixl alone, and raw-nixl-spin (agents with NIXL's
+  default, spinning progress thread) alone;
 * ``consumers-nixl``: N ConsumerNodes vs N raw agents, one group alive at a time;
 * ``recompute``.
 
@@ -67,6 +68,11 @@ SIZES = {  # label -> target bytes (rounded to whole rows of BLOCK bytes)
     "42MiB": 42 * MiB,
     "64MiB": 64 * MiB,
 }
+
+#: Raw NIXL agents use ectransport's NIXL plane agent config (UCX backend, progress thread pausing
+#: this long between passes), so an A/B differs only by ectransport. NIXL's Python default (0:
+#: the progress thread spins, ~1 core per agent) is measured alone as ``raw-nixl-spin``.
+RAW_NIXL_DELAY_US = 100
 
 TARGETS = {
     "single_8.8MiB_vs_raw_nixl": 1.25,
@@ -366,15 +372,18 @@ def _slots(n: int, nbytes: int) -> list[np.ndarray]:
 class RawNixl:
     _ids = itertools.count()
 
-    def __init__(self, r: dict, sizes: list[int], slots: int):
+    def __init__(self, r: dict, sizes: list[int], slots: int, delay_us: int = RAW_NIXL_DELAY_US):
+        """``delay_us``: the agent's progress-thread pause (µs; 0 = NIXL's spinning default)."""
         from nixl._api import nixl_agent, nixl_agent_config
+
+        from ectransport.data.nixl import new_agent
 
         self.name = "raw-nixl"
         self.remote = r["agent"]
         self.descs = r["descs"]
         with nixl_env():
-            self.agent = nixl_agent(f"bench-raw-consumer-{next(self._ids)}",
-                                    nixl_agent_config(backends=["UCX"]))
+            self.agent = new_agent(nixl_agent, f"bench-raw-consumer-{next(self._ids)}",
+                                   nixl_agent_config(backends=["UCX"]), delay_us)
         self.bufs = _slots(slots, max(sizes))
         self.reg = self.agent.register_memory(
             [(int(b.ctypes.data), b.nbytes, 0, "") for b in self.bufs], "DRAM")
@@ -687,16 +696,19 @@ def control_rtt(cfg: Config, z: dict, ect: EctPath, small: int) -> dict:
 RAW = {"nixl": RawNixl, "tcp": RawTcp, "ucx": RawUcxx}
 
 
-def _open_raw(ph: Phase, result: dict, plane: str, sizes: list[int], slots: int):
-    """Open plane's raw endpoint on both sides (None, error recorded, if it cannot run)."""
+def _open_raw(ph: Phase, result: dict, plane: str, sizes: list[int], slots: int,
+              delay_us: int = RAW_NIXL_DELAY_US):
+    """Open plane's raw endpoint on both sides (None, error recorded, if it cannot run);
+    ``delay_us``: nixl agents' progress-thread pause on both sides."""
     try:
-        r = ph.open(f"raw-{plane}", kind="raw", plane=plane)
+        r = ph.open(f"raw-{plane}", kind="raw", plane=plane, delay_us=delay_us)
     except Exception as e:
         result["errors"][f"raw-{plane}"] = str(e)
         log(f"raw {plane} unavailable (server side): {e}")
         return None
     try:
-        raw = ph.add(RAW[plane](r, sizes, slots))
+        raw = ph.add(RawNixl(r, sizes, slots, delay_us) if plane == "nixl"
+                     else RAW[plane](r, sizes, slots))
     except Exception as e:
         result["errors"][f"raw-{plane}"] = f"{type(e).__name__}: {e}"
         log(f"raw {plane} unavailable: {e}")
@@ -729,6 +741,11 @@ def run(cfg: Config) -> dict:
                           f"throughput: 1 warm-up rep discarded",
                 "buffers": "every source/destination buffer and region pre-touched (one write per "
                            "4 KiB page) before timing",
+                "raw_nixl": f"raw NIXL agents (both processes) use ectransport's NIXL plane "
+                            f"agent config: UCX backend, progress thread pausing "
+                            f"{RAW_NIXL_DELAY_US} µs between passes; NIXL's Python default "
+                            f"(spinning progress thread) is measured alone as raw-nixl-spin in "
+                            f"the solo phases",
                 "interleave": "within a phase, per rep one sample of every path (ectransport "
                               "over plane X and raw plane X), A/B/A/B, order reversed on odd "
                               "reps",
@@ -847,16 +864,19 @@ def _solo(cfg: Config, result: dict, server: Server, i: int, sizes: list[int]) -
     partner's idle NIXL agents (one per process) cost each path. Not interleaved."""
     lb = next(k for k, v in result["sizes"].items() if v == sizes[i])
     reps = cfg.reps
-    for which in ("raw-nixl", "ect-nixl", "raw-nixl#2", "ect-nixl#2"):
+    for which in ("raw-nixl", "ect-nixl", "raw-nixl-spin", "raw-nixl#2", "ect-nixl#2",
+                  "raw-nixl-spin#2"):
         with Phase(result, server, f"solo-{which}") as ph:
             if which.startswith("ect"):
                 info = ph.open("ect-nixl", kind="ect", plane="nixl", curve=True)
                 p = ph.add(EctPath("ect-nixl", "nixl", True, info, server.consumer_secret, sizes,
                                    {j: 1 for j in range(len(sizes))}))
             else:
-                p = _open_raw(ph, result, "nixl", sizes, 1)
+                spin = which.startswith("raw-nixl-spin")
+                p = _open_raw(ph, result, "nixl", sizes, 1, 0 if spin else RAW_NIXL_DELAY_US)
                 if p is None:
                     continue
+                p.name = which.split("#")[0]
             ph.running()
             smp = interleaved([p], i, cfg.warmup, reps, copies_of(sizes[i]))[p.name]
             result["solo"].setdefault(lb, {}).setdefault(which.split("#")[0], []).extend(smp)
@@ -880,7 +900,8 @@ def consumers(cfg: Config, result: dict, server: Server, labels: list[str],
                           "then reps, closed)"}
     with Phase(result, server, f"consumers-{plane}") as ph:
         info = ph.open(f"ect-{plane}", kind="ect", plane=plane, curve=True)
-        r = ph.open("raw-nixl", kind="raw", plane="nixl") if plane == "nixl" else None
+        r = (ph.open("raw-nixl", kind="raw", plane="nixl", delay_us=RAW_NIXL_DELAY_US)
+             if plane == "nixl" else None)
         per_block = max(2, -(-cfg.thr_reps // 2))
         for n in cfg.consumers:
             got: dict[str, list[float]] = {}

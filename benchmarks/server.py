@@ -13,7 +13,7 @@ measurement phase needs (see :func:`main` for the line protocol) — never more:
 * raw ucxx: a listener (ucxx async API) answering the same requests with ``ep.send``;
 * a raw pyzmq ROUTER echo (plain or CURVE) for the control-plane round-trip baseline.
 
-Every NIXL agent runs a progress thread that spins (most of a core here): hosting all of them
+Every NIXL agent runs a progress thread (spinning, at NIXL's Python default): hosting all of them
 at once (the first version of this benchmark did) starves every measured path on a 2-core host.
 The source buffers (pre-touched) are made once at start and shared by every endpoint.
 """
@@ -171,12 +171,17 @@ def _ucxx_server(sources: list[np.ndarray]) -> tuple:
 _NIXL_IDS = iter(range(1 << 30))
 
 
-def _nixl_source(sources: list[np.ndarray]) -> tuple:
+def _nixl_source(sources: list[np.ndarray], delay_us: int) -> tuple:
+    """A raw NIXL agent (UCX backend, progress thread pausing ``delay_us`` µs between passes; 0
+    is NIXL's Python default, a spinning thread) that registered the source buffers."""
     from nixl._api import nixl_agent, nixl_agent_config
+
+    from ectransport.data.nixl import new_agent
 
     name = f"bench-raw-producer-{next(_NIXL_IDS)}"
     with _nixl_env():
-        box = {"agent": nixl_agent(name, nixl_agent_config(backends=["UCX"]))}
+        box = {"agent": new_agent(nixl_agent, name, nixl_agent_config(backends=["UCX"]),
+                                  delay_us)}
     agent = box["agent"]
     reg = agent.register_memory([(int(s.ctypes.data), s.nbytes, 0, "") for s in sources], "DRAM")
     info = {"agent": name, "meta": base64.b64encode(agent.get_agent_metadata()).decode(),
@@ -275,7 +280,7 @@ def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
     if kind == "raw":
         plane = req["plane"]
         if plane == "nixl":
-            return _nixl_source(sources)
+            return _nixl_source(sources, int(req.get("delay_us", 0)))
         if plane == "tcp":
             return _tcp_server(sources)
         if plane == "ucx":
@@ -297,7 +302,8 @@ def main() -> None:
 
     * ``{"op": "open", "kind": "ect", "plane": P, "curve": B}`` — a ProducerNode offering only
       plane P (CURVE on/off) holding every size's entries;
-    * ``{"op": "open", "kind": "raw", "plane": P}`` — the raw endpoint of plane P;
+    * ``{"op": "open", "kind": "raw", "plane": P[, "delay_us": D]}`` — the raw endpoint of plane
+      P (nixl: its agent's progress-thread delay, µs);
     * ``{"op": "open", "kind": "zmq", "curve": B}`` — a pyzmq ROUTER echo;
     * ``{"op": "close", "id": N}``; ``{"op": "idle", "seconds": S}`` (threads and CPU use while
       idle, to check that nothing left behind spins).

@@ -122,7 +122,7 @@ class Waker:
 
     def drain(self) -> None:
         try:
-            while os.read(self._r, 4096):
+            while len(os.read(self._r, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass

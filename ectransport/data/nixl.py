@@ -46,7 +46,7 @@ _OPTIONS = {"num_threads", "prog_thread", "progress_delay_us"}
 #: creates agents with a delay of 0: an idle agent then burns a whole core (measured 1.00 CPU-s/s;
 #: 0.04 with 100 us), which on a small host starves everything else. READ latency is unchanged:
 #: the READ is driven by the thread that posts it (measured 1.3-1.7 ms p50 either way, 8.8 MiB).
-_PROGRESS_DELAY_US = 100
+PROGRESS_DELAY_US = 100
 _AGENT_CTOR_LOCK = threading.Lock()
 
 
@@ -158,8 +158,10 @@ def _ucx_plugin_present() -> bool | None:
     return any(Path(d, "libplugin_UCX.so").exists() for d in dirs)
 
 
-def _new_agent(nixl_agent: Any, name: str, config: Any, delay_us: int) -> Any:
-    """``nixl_agent(name, config)`` with the progress-thread delay set to ``delay_us``.
+def new_agent(nixl_agent: Any, name: str, config: Any, delay_us: int) -> Any:
+    """``nixl_agent(name, config)`` with the progress-thread delay set to ``delay_us``
+    (microseconds between progress passes; 0 = spin, NIXL's Python default). The benchmark's raw
+    NIXL baseline builds its agents with this too, so both sides of an A/B use one agent config.
 
     The wrapper hard-codes ``pthrDelay = 0`` on the native config it builds; the native agent
     constructor is wrapped for the duration of this call (under a lock) to set it.
@@ -229,11 +231,11 @@ class NixlPlane(DataTransport):
             num_threads=int(options.get("num_threads", 0)),
             backends=["UCX"],
         )
-        delay_us = int(options.get("progress_delay_us", _PROGRESS_DELAY_US))
+        delay_us = int(options.get("progress_delay_us", PROGRESS_DELAY_US))
         if delay_us < 0:
             raise ConfigError(f"progress_delay_us must be >= 0, got {delay_us}")
         try:
-            self._agent = _new_agent(nixl_agent, self.agent_name, config, delay_us)
+            self._agent = new_agent(nixl_agent, self.agent_name, config, delay_us)
         except Exception as exc:
             raise PlaneUnavailable(f"cannot start a NIXL agent: {exc}") from exc
         if "UCX" not in self._agent.backends:

@@ -338,24 +338,31 @@ class ProducerNode:
                                                           user=ev.source.user)
                         elif kind == "Down":
                             cmds += self.session.on_peer_down(ev.source, now)
+                self._perform(cmds)  # answers first: the consumer waits for them
+                cmds = []
+                with self._lock:
                     for plane in self._planes.values():
                         for notif in plane.poll_notifications():
                             cmds += self.session.on_notification(notif, now)
                     if now - last_sweep > 0.05:
                         cmds += self.session.poll(now)
                         last_sweep = now
-                for c in cmds:
-                    if isinstance(c, Send):
-                        control.send(c.peer, c.data)
-                    elif isinstance(c, Revoke):
-                        plane = self._planes.get(c.plane)
-                        if plane is not None:
-                            plane.revoke(c.plane_grant)
+                self._perform(cmds)
             except ECTransportError:
                 log.exception("producer loop error (continuing)")
             except Exception:
                 log.exception("unexpected producer loop error (continuing)")
                 time.sleep(0.01)
+
+    def _perform(self, cmds: list) -> None:
+        """Carry out the session's commands on the I/O thread (sends, grant revocations)."""
+        for c in cmds:
+            if isinstance(c, Send):
+                self._control.send(c.peer, c.data)
+            elif isinstance(c, Revoke):
+                plane = self._planes.get(c.plane)
+                if plane is not None:
+                    plane.revoke(c.plane_grant)
 
     def _observe(self, event: str, fields: dict[str, Any]) -> None:
         for obs in self._observers:
