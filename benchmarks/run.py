@@ -31,6 +31,9 @@ def main(quick: bool = False, out: Path | None = None, write_docs: bool | None =
         out = DEFAULT_OUT
     if out is not None:
         out = Path(out)
+        prev = out / "results.json"
+        if not quick and prev.exists():  # the before/after table of docs/performance.md
+            prev.replace(out / "results-previous.json")
         jp = report.write_json(res, out)
         print(f"wrote {jp}")
         png = None
