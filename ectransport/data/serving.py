@@ -86,7 +86,9 @@ class Notifications:
         self._q: collections.deque[bytes] = collections.deque()
 
     def push(self, notif: bytes) -> None:
-        self._q.append(notif)
+        """Queue ``notif``; an empty one means the consumer asked for none (as NIXL treats it)."""
+        if notif:
+            self._q.append(notif)
 
     def drain(self) -> list[bytes]:
         """Every queued notification, oldest first; the queue is empty afterwards."""

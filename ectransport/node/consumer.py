@@ -166,7 +166,7 @@ class ConsumerNode:
             ``handshake_timeout_s``, frame limits, reconnect intervals).
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
-            ``peer_backoff_max_s``).
+            ``peer_backoff_max_s``, ``request_notifications``).
         observer: optional ``(event, fields) -> None`` for metrics and logs, called on the node's
             I/O thread (keep it cheap; one that raises is logged and ignored): ``fetch`` once per
             outcome (``outcome`` ok|miss, ``reason``, ``seconds`` since the fetch started,

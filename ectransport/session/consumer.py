@@ -101,6 +101,12 @@ class ConsumerConfig:
         retry_backoff_s / retry_backoff_max_s: first and largest wait before re-sending an
             XferReq answered NACK_NOT_READY or NACK_BUSY [0.02 s → 0.5 s, doubling].
         peer_backoff_s / peer_backoff_max_s: peer quarantine after a failure [1 s → 60 s].
+        request_notifications: ask the data plane to notify the producer when a transfer
+            completes (ECTP v1 §5 accepts the notification or ``XferDone`` as the completion
+            signal; this consumer always sends ``XferDone``, so the notification is only a
+            backstop for a consumer that dies between the two). Off by default: over NIXL the
+            notification is a second UCX message the READ waits for, measured +0.15 ms per
+            64 KiB fetch on a 2-core host, nothing at 8.8 MiB. [False]
     """
 
     node_id: str
@@ -115,6 +121,7 @@ class ConsumerConfig:
     retry_backoff_max_s: float = 0.5
     peer_backoff_s: float = 1.0
     peer_backoff_max_s: float = 60.0
+    request_notifications: bool = False
 
 
 @dataclass
@@ -542,7 +549,8 @@ class ConsumerSession:
         f.deadline = min(f.final_deadline, now + self.config.read_timeout_s)
         if not any(x.state is FetchState.READING and x is not f for x in self._fetches.values()):
             self._next_renew = now + f.lease_s / 6
-        notif = notif_for((self.session_id, f.mm_hash, g.grant_id))
+        notif = (notif_for((self.session_id, f.mm_hash, g.grant_id))
+                 if self.config.request_notifications else b"")
         return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif)]
 
     def _done(self, mm_hash: str, grant_id: int, ok: bool) -> Send:

@@ -339,3 +339,23 @@ def test_nack_internal_quarantines_producer():
     (m,) = reports(c.on_frame(encode(bad), 0.1))
     assert m.reason is MissReason.INTERNAL
     assert reports(c.fetch("b", 0.2, 10.0))[0].reason is MissReason.QUARANTINED
+
+
+@pytest.mark.parametrize("request_notifications", [False, True])
+def test_data_plane_notification_only_when_requested(request_notifications):
+    """The consumer always sends XferDone; the data-plane notification (a second NIXL message per
+    READ) is requested only when configured. Either signal completes the grant at the producer."""
+    from ectransport.session.producer import notif_for
+
+    p, pstore = make_producer()
+    put(pstore, "a", 2)
+    c = make_consumer(request_notifications=request_notifications)
+    connected(p, c)
+    (post,) = [x for x in pump(p, c, c.fetch("a", 0.0, 100.0), 0.0) if isinstance(x, PostRead)]
+    ((sid, mm, gid),) = p.grant_keys()
+    assert post.notif == (notif_for((sid, mm, gid)) if request_notifications else b"")
+    c.on_read_posted("a", "H", 0.1)
+    (done,) = [m for m in msgs(c.on_read_state("a", "done", 0.2)) if isinstance(m, XferDone)]
+    assert done.ok
+    p.on_frame("peer1", encode(done), 0.3)
+    assert pstore.get("a").pins == 0
