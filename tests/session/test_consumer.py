@@ -359,3 +359,28 @@ def test_data_plane_notification_only_when_requested(request_notifications):
     assert done.ok
     p.on_frame("peer1", encode(done), 0.3)
     assert pstore.get("a").pins == 0
+
+
+def test_busy_fetch_retries_as_soon_as_one_of_our_grants_ends():
+    """NACK_BUSY (our pin budget is full): the fetch backs off, but when another of our grants
+    at that producer ends, it retries at the next poll — after that grant's XferDone — instead of
+    waiting out the backoff."""
+    p, pstore = make_producer(budget_bytes=2 * BLOCK)
+    put(pstore, "a", 2)
+    put(pstore, "b", 2)
+    c = make_consumer(retry_backoff_s=10.0, retry_backoff_max_s=10.0)
+    connected(p, c)
+    pump(p, c, c.fetch("a", 0.0, 100.0), 0.0)  # granted: the budget is full
+    assert pump(p, c, c.fetch("b", 0.0, 100.0), 0.0) == []  # NACK_BUSY
+    assert c.fetch_states()["b"] is FetchState.BACKOFF
+    c.on_read_posted("a", "H", 0.1)
+    out = c.on_read_state("a", "done", 0.2)
+    assert [m for m in msgs(out) if isinstance(m, XferDone)], out
+    assert c.next_deadline() <= 0.2  # b is due now, not at 10 s
+    for cmd in out:  # the XferDone reaches the producer first ...
+        if hasattr(cmd, "data"):
+            p.on_frame("peer1", cmd.data, 0.2)
+    retry = c.poll(0.21)  # ... then the retry, which is granted
+    assert [m for m in msgs(retry) if isinstance(m, XferReq) and m.mm_hash == "b"]
+    (post,) = [x for x in pump(p, c, retry, 0.21) if isinstance(x, PostRead)]
+    assert post.key == "b" and c.fetch_states()["b"] is FetchState.READING
