@@ -338,8 +338,8 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
            "edit by hand; the profiling notes come from `benchmarks/PROFILING.md`.", "",
            f"Run: {m['started']}, mode `{m['mode']}`, {m['cpus']} CPUs ({m['platform']}), "
            f"Python {m['python']}; **load average {m['loadavg_start'][0]:.2f} at start, "
-           f"{m['loadavg_end'][0]:.2f} at end** (1-min; other jobs were running, so treat "
-           f"absolute numbers as noisy and read the ratios, which are measured interleaved). "
+           f"{m['loadavg_end'][0]:.2f} at end** (1-min; on this small shared VM absolute numbers "
+           f"move ±30 % between runs: read the ratios, which are measured interleaved). "
            f"Duration {m['duration_s']:.0f} s. Versions: "
            + ", ".join(f"{k} {v}" for k, v in res["versions"].items()) + ".", ""]
     if max(m["loadavg_start"][0], m["loadavg_end"][0]) > m["cpus"]:
@@ -355,7 +355,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
             "the same run: a fetch that asks the producer for a grant costs at least one raw "
             "READ plus one raw ZeroMQ round trip; a copy into the consumer costs at least one "
             "memcpy. Where the floor already misses a target, no change to ectransport can meet "
-            "it here (see \"What is not ours\" under Profiling).", "",
+            "it here (see \"Not ours\" under Profiling).", "",
             _md_table(["target", "measured", "floor on this host (same run)", "met"],
                       [[x["target"], x["measured"], x["floor"], "yes" if x["met"] else "**no**"]
                        for x in targets(res)]), ""]

@@ -167,8 +167,10 @@ class ConsumerNode:
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
             ``peer_backoff_max_s``, ``request_notifications``).
-        observer: optional ``(event, fields) -> None`` for metrics and logs, called on the node's
-            I/O thread (keep it cheap; one that raises is logged and ignored): ``fetch`` once per
+        observer: optional ``(event, fields) -> None`` for metrics and logs, called on the thread
+            driving the node — its I/O thread, or a :meth:`fetch` caller running its own fetch —
+            (keep it cheap and do not fetch from it; one that raises is logged and
+            ignored): ``fetch`` once per
             outcome (``outcome`` ok|miss, ``reason``, ``seconds`` since the fetch started,
             ``transfer_s``, ``nbytes``, ``plane``, ``descriptors`` = landing runs, ``peer``,
             ``session_id``, ``mm_hash`` (12 chars), ``grant_id``), and the session's
