@@ -439,7 +439,13 @@ class ConsumerNode:
         whatever is left. Events that queued while the loop was parked are handled in the
         first poll after the XferReq is sent (the session copes with them at any point)."""
         control = self._control
-        self._start(producer, mm_hash, deadline, fut, time.monotonic())
+        try:
+            self._start(producer, mm_hash, deadline, fut, time.monotonic())
+        except Exception as e:  # as the I/O thread would: log, and this fetch ends as a miss
+            log.exception("unexpected error starting a fetch (continuing)")
+            self._resolve(producer.key, Miss(mm_hash, MissReason.INTERNAL,
+                                             f"{type(e).__name__}: {e}"))
+            return
         limit = deadline + 1.0
         while not fut.done() and not self._stop.is_set() and time.monotonic() < limit:
             self._guarded_step(control)

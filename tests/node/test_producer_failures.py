@@ -18,6 +18,7 @@ import pytest
 from ectransport.node import ConsumerNode, Layout, MissReason, ProducerAddress, Security
 
 from ._producer_proc import make_rows
+from .conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 256
@@ -37,6 +38,23 @@ def _spawn(tmp_path: Path, port: int = 0, insecure: bool = True) -> tuple[subpro
         proc.kill()
         raise AssertionError("producer child did not start")
     return proc, json.loads(line)
+
+
+def _freeze(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped: a thread still running
+    when the next request goes out could answer it (seen under load: the XferAck arrived, the
+    fetch then missed on the read deadline instead of the ack deadline)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            states = [open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return False
+        return all(st in ("T", "t") for st in states)
+
+    assert wait_for(stopped, timeout_s, 0.005), "the producer did not stop"
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -63,7 +81,7 @@ def test_stopped_producer_misses_fast_then_recovers(tmp_path, consumer):
     try:
         addr = ProducerAddress("127.0.0.1", info["port"])
         assert consumer.fetch(addr, "x", timeout_s=10).ok  # warm: connected and welcomed
-        os.kill(proc.pid, signal.SIGSTOP)
+        _freeze(proc.pid)
         t0 = time.monotonic()
         miss = consumer.fetch(addr, "x", timeout_s=10)
         waited = time.monotonic() - t0
