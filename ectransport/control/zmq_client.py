@@ -310,8 +310,9 @@ class ZmqControlClient(ControlClient):
             return self._mismatch_reason()
         return (
             f"producer key mismatch: {c.key} closed the CURVE handshake without an answer; the "
-            "server key given is most likely not this producer's public key (or the producer "
-            "dropped an unknown client key without replying)"
+            "server key given is most likely not this producer's public key (else a plain/CURVE "
+            "mismatch — the producer runs without CURVE — or the producer dropped an unknown "
+            "client key without replying)"
         )
 
     def _handshake_timeout(self, c: _Conn, events: list[Event]) -> None:

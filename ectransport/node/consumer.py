@@ -65,6 +65,9 @@ log = logging.getLogger("ectransport.node.consumer")
 
 #: While transfers are in flight the I/O loop sleeps this long between checks, seconds.
 _BUSY_SLEEP_S = 50e-6
+#: How long fetch() waits for the drive lock while the parked I/O thread makes its periodic
+#: non-blocking step (instead of handing its fetch to that thread), seconds.
+_BRIEF_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,7 @@ class ConsumerNode:
         # a socket changes threads). _kick un-parks the I/O thread.
         self._drive = threading.Lock()
         self._kick = threading.Event()
+        self._brief = False  # the I/O thread holds _drive only for a non-blocking step
         self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
         self._thread.start()
 
@@ -319,7 +323,9 @@ class ConsumerNode:
         fut: Future = Future()
         deadline = time.monotonic() + t
         queued = False
-        if threading.current_thread() is not self._thread and self._drive.acquire(blocking=False):
+        if threading.current_thread() is not self._thread and (
+                self._drive.acquire(blocking=False)
+                or (self._brief and self._drive.acquire(timeout=_BRIEF_WAIT_S))):
             try:  # the I/O thread is parked (or between steps): drive this fetch here
                 if not self._stop.is_set():
                     queued = True
@@ -396,8 +402,9 @@ class ConsumerNode:
         while not self._stop.is_set():
             with self._drive:
                 if fresh or not self._idle():
+                    self._brief = fresh  # a non-blocking step: a fetch() may wait for the lock
                     self._guarded_step(control, wait=0.0 if fresh else None)
-                    fresh = False
+                    self._brief = fresh = False
                     if not self._idle():
                         continue
                 park_s = self._idle_timeout()
