@@ -172,7 +172,7 @@ class ConsumerNode:
             ``peer_backoff_max_s``, ``request_notifications``).
         observer: optional ``(event, fields) -> None`` for metrics and logs, called on the thread
             driving the node — its I/O thread, or a :meth:`fetch` caller running its own fetch —
-            (keep it cheap and do not fetch from it; one that raises is logged and
+            (keep it cheap; do not fetch from it or close the node; one that raises is logged and
             ignored): ``fetch`` once per
             outcome (``outcome`` ok|miss, ``reason``, ``seconds`` since the fetch started,
             ``transfer_s``, ``nbytes``, ``plane``, ``descriptors`` = landing runs, ``peer``,
@@ -252,6 +252,7 @@ class ConsumerNode:
         self._drive = threading.Lock()
         self._kick = threading.Event()
         self._brief = False  # the I/O thread holds _drive only for a non-blocking step
+        self._closed = False  # set under _drive by the I/O thread's shutdown
         self._thread = threading.Thread(target=self._run, name=f"ect-{self.node_id}", daemon=True)
         self._thread.start()
 
@@ -264,12 +265,8 @@ class ConsumerNode:
         result and the Future are dropped (pipelined callers should drop each Future once done).
         """
         fut: Future = Future()
-        if self._stop.is_set():
-            fut.set_result(Miss(mm_hash, MissReason.INTERNAL, "consumer closed"))
-            return fut
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
-        self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
-        self._wake_loop()
+        self._enqueue(("fetch", producer, mm_hash, deadline, fut))
         return fut
 
     def submit_held(self, producer: ProducerAddress, mm_hash: str, *,
@@ -279,16 +276,14 @@ class ConsumerNode:
         fut: Future = Future()
         self._hold.add(fut)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.fetch_timeout_s)
-        self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
-        self._wake_loop()
+        self._enqueue(("fetch", producer, mm_hash, deadline, fut))
         return fut
 
     def release_held(self, held: Held) -> None:
         """Give back the blocks of a :class:`Held` (any thread; once per Held)."""
         if self._stop.is_set():
             return
-        self._inbox.append(("release_held", held.local_key, "", held.entry_id, None))
-        self._wake_loop()
+        self._enqueue(("release_held", held.local_key, "", held.entry_id, None))
 
     def connect(self, producer: ProducerAddress, *, timeout_s: float = 5.0) -> str:
         """Connect, authenticate and negotiate with a producer now (fetches do this lazily).
@@ -305,8 +300,7 @@ class ConsumerNode:
                 or the producer is quarantined after recent failures.
         """
         fut: Future = Future()
-        self._inbox.append(("connect", producer, "", time.monotonic() + timeout_s, fut))
-        self._wake_loop()
+        self._enqueue(("connect", producer, "", time.monotonic() + timeout_s, fut))
         return fut.result(timeout=timeout_s + 5.0)
 
     def fetch(self, producer: ProducerAddress, mm_hash: str, *,
@@ -322,21 +316,20 @@ class ConsumerNode:
         t = timeout_s if timeout_s is not None else self.fetch_timeout_s
         fut: Future = Future()
         deadline = time.monotonic() + t
-        queued = False
         if threading.current_thread() is not self._thread and (
                 self._drive.acquire(blocking=False)
                 or (self._brief and self._drive.acquire(timeout=_BRIEF_WAIT_S))):
             try:  # the I/O thread is parked (or between steps): drive this fetch here
-                if not self._stop.is_set():
-                    queued = True
-                    self._drive_until(producer, mm_hash, deadline, fut)
+                if self._stop.is_set():
+                    return Miss(mm_hash, MissReason.INTERNAL, "consumer closed")
+                self._drive_until(producer, mm_hash, deadline, fut)
+                wake = not self._idle() or self._stop.is_set()
             finally:
                 self._drive.release()
-                if not self._idle() or self._stop.is_set():
-                    self._wake_loop()  # what this caller leaves behind is the I/O thread's
-        if not queued:
-            self._inbox.append(("fetch", producer, mm_hash, deadline, fut))
-            self._wake_loop()
+            if wake:
+                self._wake_loop()  # what this caller leaves behind is the I/O thread's
+        else:
+            self._enqueue(("fetch", producer, mm_hash, deadline, fut))
         try:
             return fut.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
         except concurrent.futures.TimeoutError:  # pragma: no cover - the loop guarantees an outcome
@@ -420,17 +413,33 @@ class ConsumerNode:
         now = time.monotonic()
         for s in list(self._sessions.values()):
             self._execute(s, s.close(), now)
+        self._closed = True  # before the drain: see _enqueue
+        self._fail_inbox()
+        for waiters in self._connecting.values():
+            for fut, _ in waiters:
+                if not fut.done():
+                    fut.set_exception(ECTransportError("consumer closed"))
+
+    def _fail_inbox(self) -> None:
+        """After shutdown (drive lock held): every queued fetch misses, every connect fails."""
         while self._inbox:
             kind, _, mm, _, fut = self._inbox.popleft()
             if kind == "fetch":
                 if not fut.done():
                     fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
-            elif kind == "connect":
+            elif kind == "connect" and not fut.done():
                 fut.set_exception(ECTransportError("consumer closed"))
-        for waiters in self._connecting.values():
-            for fut, _ in waiters:
-                if not fut.done():
-                    fut.set_exception(ECTransportError("consumer closed"))
+
+    def _enqueue(self, item: tuple) -> None:
+        """Queue work for whoever drives the node and wake the I/O thread. Once the node has shut
+        down nobody drives it: the item is failed here (the shutdown sets ``_closed`` before its
+        own drain, so an item appended before that drain is failed by it, any later one here)."""
+        self._inbox.append(item)
+        if self._closed:
+            with self._drive:
+                self._fail_inbox()
+        else:
+            self._wake_loop()
 
     def _guarded_step(self, control, wait: float | None = None) -> None:
         try:
@@ -683,8 +692,10 @@ class ConsumerNode:
             finally:
                 self._drive.release()
             return
+        # Someone drives: its next step takes this from the inbox (a driving caller wakes the I/O
+        # thread when it leaves work behind). No wake-up from here: a finalizer can run inside
+        # the locks a wake-up takes (garbage collection at any point), which would deadlock.
         self._inbox.append(("release", local_key, "", entry_id, None))
-        self._wake_loop()
 
     def _release(self, local_key: str, entry_id: int) -> None:
         e = self.store.get(local_key)

@@ -583,14 +583,16 @@ class ConsumerSession:
         return cmds
 
     def _retry_busy_now(self) -> None:
-        """A grant of ours just ended (its XferDone is on the way): fetches backing off after a
-        NACK_BUSY — our pin budget at this producer — retry at the next :meth:`poll` instead of
-        after their backoff; the retry leaves after the XferDone on the same ordered connection,
-        so the producer has unpinned first. (With a k-deep window larger than the budget this
-        keeps the window full instead of idling 20 ms to 0.5 s per NACK.)"""
-        for g in self._fetches.values():
-            if g.state is FetchState.BACKOFF and g.last_nack is Status.NACK_BUSY:
-                g.deadline = float("-inf")  # due now: poll() re-sends the XferReq
+        """A grant of ours just ended (its XferDone is on the way): the oldest fetch backing off
+        after a NACK_BUSY — our pin budget at this producer — retries at the next :meth:`poll`
+        instead of after its backoff; the retry leaves after the XferDone on the same ordered
+        connection, so the producer has unpinned first. One retry per ended grant (the freed
+        budget fits about one more entry; the others keep their backoff rather than flooding the
+        producer, whose per-consumer frame rate is limited)."""
+        busy = [g for g in self._fetches.values() if g.state is FetchState.BACKOFF
+                and g.last_nack is Status.NACK_BUSY and g.deadline != float("-inf")]
+        if busy:
+            min(busy, key=lambda g: g.started).deadline = float("-inf")  # poll() re-sends it
 
     def _quarantine_fetch(
         self, f: Fetch, now: float, reason: MissReason, detail: str

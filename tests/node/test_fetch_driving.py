@@ -182,3 +182,39 @@ def test_fetch_and_submit_after_close_miss_at_once(keys, producer):  # noqa: F81
     assert isinstance(out, Miss) and out.reason is MissReason.INTERNAL, out
     assert fut.done() and fut.result().reason is MissReason.INTERNAL
     assert time.monotonic() - t0 < 1.0
+
+
+def test_calls_racing_close_end_promptly_and_later_calls_fail_at_once(producer, keys):  # noqa: F811 - fixtures
+    from ectransport.errors import ECTransportError
+
+    node = _consumer(keys)
+    addr = producer.address()
+    took: list[float] = []
+    stop = threading.Event()
+
+    def worker(i: int) -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            if i % 2:
+                out = node.fetch(addr, "one-row", timeout_s=20.0)
+            else:
+                out = node.submit(addr, "one-row", timeout_s=20.0).result(timeout=30.0)
+            took.append(time.monotonic() - t0)
+            del out
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    node.close()
+    stop.set()
+    for t in threads:
+        t.join(timeout=15.0)
+    assert not any(t.is_alive() for t in threads), "a call hung across close()"
+    assert took and max(took) < 5.0, max(took)
+    t0 = time.monotonic()
+    with pytest.raises(ECTransportError, match="closed"):
+        node.connect(addr, timeout_s=5.0)
+    held = node.submit_held(addr, "one-row", timeout_s=5.0).result(timeout=1.0)
+    assert isinstance(held, Miss) and held.reason is MissReason.INTERNAL
+    assert time.monotonic() - t0 < 1.0

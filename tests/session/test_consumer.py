@@ -384,3 +384,25 @@ def test_busy_fetch_retries_as_soon_as_one_of_our_grants_ends():
     assert [m for m in msgs(retry) if isinstance(m, XferReq) and m.mm_hash == "b"]
     (post,) = [x for x in pump(p, c, retry, 0.21) if isinstance(x, PostRead)]
     assert post.key == "b" and c.fetch_states()["b"] is FetchState.READING
+
+
+def test_one_busy_retry_per_ended_grant_not_a_herd():
+    """Several fetches backing off on NACK_BUSY: each ended grant lets only the oldest retry at
+    once (the freed budget fits about one entry); the rest keep their backoff."""
+    p, pstore = make_producer(budget_bytes=2 * BLOCK)
+    for k in "abcd":
+        put(pstore, k, 2)
+    c = make_consumer(retry_backoff_s=10.0, retry_backoff_max_s=10.0)
+    connected(p, c)
+    pump(p, c, c.fetch("a", 0.0, 100.0), 0.0)  # granted: the budget is full
+    for t, k in ((0.01, "b"), (0.02, "c"), (0.03, "d")):
+        assert pump(p, c, c.fetch(k, t, 100.0), t) == []  # NACK_BUSY
+    c.on_read_posted("a", "H", 0.1)
+    out = c.on_read_state("a", "done", 0.2)
+    for cmd in out:
+        if hasattr(cmd, "data"):
+            p.on_frame("peer1", cmd.data, 0.2)
+    reqs = [m for m in msgs(c.poll(0.21)) if isinstance(m, XferReq)]
+    assert [m.mm_hash for m in reqs] == ["b"]  # the oldest only
+    assert c.fetch_states()["c"] is FetchState.BACKOFF
+    assert c.fetch_states()["d"] is FetchState.BACKOFF
