@@ -1,8 +1,9 @@
 """Checking observed outcomes against expectations (pure functions; unit-tested).
 
 A step deviates when its observed outcome is not one of the allowed ones, when ``ok`` comes
-without verified bytes, or when the expected plane differs from the plane used. In particular a
-step that *works* where a refusal was expected is a deviation, never a pass.
+without verified bytes, or when the expected plane differs from the plane used (or the node did
+not report one). In particular a step that *works* where a refusal was expected is a deviation,
+never a pass, and so is one that works over another plane than the one negotiation must pick.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def deviation(expect: Expect, obs: Observed, mode: str) -> str | None:
         return f"observed {obs.outcome}, expected {'|'.join(allowed)}"
     if obs.outcome == "ok" and obs.bytes_ok is False:
         return "bytes differ from the producer's"
-    if expect.plane and obs.outcome == "ok" and obs.plane and obs.plane != expect.plane:
-        return f"plane {obs.plane}, expected {expect.plane}"
+    plane = expect.plane_for(mode)
+    if plane and obs.outcome == "ok" and obs.plane != plane:
+        return f"plane {obs.plane or '(not reported)'}, expected {plane}"
     return None
 
 

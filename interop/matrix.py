@@ -2,8 +2,16 @@
 runs with ``--full``.
 
 Host slots: ``p1``/``p2`` producers (``p2`` is the one restarted), ``c1``..``c8`` consumers, ``v1``
-vLLM's own nodes (``v2``: the vLLM consumer whose process blocks and is killed). Default layout:
-``org/vision-encoder``, bf16, hidden 1024 (2 KiB rows).
+vLLM's own nodes (``v2``: the vLLM consumer whose process blocks and is killed), each in its own
+network namespace; ``lo-p``/``lo-c``: a producer and a consumer process sharing *one* namespace on
+``127.0.0.N`` addresses (N ≥ 2, see :mod:`interop.netns`). Default layout: ``org/vision-encoder``,
+bf16, hidden 1024 (2 KiB rows).
+
+Plane negotiation (ECTP ``Hello.localities``, plugin API 2): the producer picks the consumer's best
+common plane *that can reach the consumer*. ``shm`` reaches only a peer in its own network
+namespace (its abstract Unix socket lives there), so across namespaces it is skipped for the next
+common plane, and a pair whose only common plane is ``shm`` is refused at connect
+(``NoCommonPlane``, fetches miss ``INCOMPATIBLE``) — never negotiated to fail later.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ E3 = Entry("e3-4MiB", 2048, 13)
 ENTRIES = (E1, E2, E3)
 MISSES_AFTER_KILL = ("miss:PEER_DOWN", "miss:TIMEOUT", "miss:QUARANTINED", "miss:INTERNAL")
 PLANES = ("nixl", "ucx", "tcp", "shm")
+#: Planes that reach only a peer in their own network namespace (never negotiated across).
+SAME_NAMESPACE_ONLY = frozenset({"shm"})
+LO_P, LO_C = "lo-p", "lo-c"  # producer / consumer slots sharing one namespace (127.0.0.N)
 #: ECTP consumers: a CURVE handshake deadline that survives a loaded 2-core CI machine (the
 #: default 1.5 s was once exceeded there and the producer was reported unreachable).
 CONSUMER_OPTIONS = {"control_options": {"handshake_timeout_s": 5.0}}
@@ -58,14 +69,35 @@ def refusal(connect: str, miss: str, timeout_s: float = 8.0) -> tuple[Step, ...]
             Step("fetch", 0, E1.mm_hash, Expect((miss,)), timeout_s))
 
 
-def _plane_expect(pp: tuple[str, ...], cp: tuple[str, ...]) -> tuple[Expect, Expect]:
-    """(connect, fetch) expectations of a producer/consumer plane-set pair."""
-    chosen = next((p for p in cp if p in pp), None)
-    if chosen is None:
-        return Expect(("error:NoCommonPlane",)), Expect(("miss:INCOMPATIBLE",))
-    if chosen == "shm":  # abstract Unix sockets do not cross network namespaces
-        return ok("shm"), Expect(("miss:INTERNAL",), loopback=("ok",))
-    return ok(chosen), ok(chosen)
+def _expect(apart: str | None, together: str | None, step: str) -> Expect:
+    """One step's expectation given the plane negotiated across namespaces (``apart``) and in one
+    namespace (``together``); None = refused (connect: ``NoCommonPlane``, fetch: ``INCOMPATIBLE``).
+    """
+    refused = ("error:NoCommonPlane",) if step == "connect" else ("miss:INCOMPATIBLE",)
+    out, lo = ("ok",) if apart else refused, ("ok",) if together else refused
+    if (out, apart) == (lo, together):
+        return Expect(out, apart)
+    return Expect(out, apart, loopback=lo, loopback_plane=together)
+
+
+def _plane_expect(pp: tuple[str, ...], cp: tuple[str, ...],
+                  same_namespace: bool = False) -> tuple[Expect, Expect]:
+    """(connect, fetch) expectations of a producer/consumer plane-set pair: the consumer's first
+    plane that the producer offers *and* that reaches the consumer (see the module docstring).
+    ``same_namespace``: the cell's nodes share a namespace in every topology (``lo-*`` slots)."""
+    common = [p for p in cp if p in pp]
+    together = common[0] if common else None
+    apart = together if same_namespace else \
+        next((p for p in common if p not in SAME_NAMESPACE_ONLY), None)
+    return _expect(apart, together, "connect"), _expect(apart, together, "fetch")
+
+
+def _chosen(conn: Expect) -> str:
+    """The negotiated plane for a cell's description."""
+    apart = conn.plane or "refused"
+    if conn.loopback is None:
+        return apart
+    return f"{apart} across namespaces, {conn.loopback_plane or 'refused'} in one"
 
 
 def plane_cells() -> list[Cell]:
@@ -81,12 +113,28 @@ def plane_cells() -> list[Cell]:
             conn, fetch = _plane_expect(pp, cp)
             steps = (Step("connect", 0, "", conn, 5.0),
                      *fetches(E1, E2, expect=fetch, timeout_s=8.0))
-            chosen = conn.plane or "none"
             cells.append(Cell(
                 f"planes {'+'.join(pp)} -> {'+'.join(cp)}", "planes",
-                f"plane negotiation picks the consumer's best common plane ({chosen}); disjoint "
-                "sets are a typed NoCommonPlane; bytes verified",
+                f"plane negotiation picks the consumer's best common plane that reaches it "
+                f"({_chosen(conn)}); no such plane is a typed NoCommonPlane; bytes verified",
                 P(planes=pp), (C(planes=cp),), (E1, E2), steps, ci=(pp, cp) in ci))
+    return cells
+
+
+def same_namespace_cells() -> list[Cell]:
+    """Producer and consumer processes in one network namespace on 127.0.0.N (N ≥ 2), in every
+    topology: every plane must work on a loopback address other than 127.0.0.1, and shm is
+    negotiated (it reaches a peer of its own namespace)."""
+    cells = []
+    for pp, cp in ((("tcp",), ("tcp",)), (("nixl",), ("nixl",)), (("ucx",), ("ucx",)),
+                   (("shm",), ("shm",)), (("shm", "tcp"), ("shm", "tcp"))):
+        conn, fetch = _plane_expect(pp, cp, same_namespace=True)
+        steps = (Step("connect", 0, "", conn, 5.0), *fetches(E1, E2, expect=fetch, timeout_s=8.0))
+        cells.append(Cell(
+            f"planes {'+'.join(pp)} -> {'+'.join(cp)} on 127.0.0.N, one namespace", "planes",
+            f"two processes of one network namespace on 127.0.0.N (N != 1): {conn.plane} is "
+            "negotiated and carries byte-exact data",
+            P(host=LO_P, planes=pp), (C(host=LO_C, planes=cp),), (E1, E2), steps, ci=True))
     return cells
 
 
@@ -165,13 +213,16 @@ def size_cells() -> list[Cell]:
     out = []
     for plane in PLANES:
         ci = plane == "nixl"
-        exp = ok(plane) if plane != "shm" else Expect(("miss:INTERNAL",), loopback=("ok",))
+        # shm reaches only its own namespace: its producer and consumer share one (lo-* slots)
+        hosts = (dict(host=LO_P), dict(host=LO_C)) if plane in SAME_NAMESPACE_ONLY else ({}, {})
+        where = " (one namespace)" if plane in SAME_NAMESPACE_ONLY else ""
         out.append(Cell(
             f"sizes 1 row .. 64 MiB over {plane}", "sizes",
-            "entry sizes from one 8 KiB row to 64 MiB land byte-exact",
-            P(planes=(plane,), hidden=4096, region_bytes=80 * MiB, budget_bytes=80 * MiB),
-            (C(planes=(plane,), hidden=4096, region_bytes=80 * MiB),), (one, mid, big),
-            fetches(one, mid, big, expect=exp, timeout_s=30.0), ci=ci))
+            f"entry sizes from one 8 KiB row to 64 MiB land byte-exact{where}",
+            P(planes=(plane,), hidden=4096, region_bytes=80 * MiB, budget_bytes=80 * MiB,
+              **hosts[0]),
+            (C(planes=(plane,), hidden=4096, region_bytes=80 * MiB, **hosts[1]),),
+            (one, mid, big), fetches(one, mid, big, expect=ok(plane), timeout_s=30.0), ci=ci))
     return out
 
 
@@ -260,8 +311,8 @@ def vllm_cells() -> list[Cell]:
 
 
 def all_cells() -> list[Cell]:
-    return [*plane_cells(), *version_cells(), *curve_cells(), *compat_cells(), *size_cells(),
-            *fanout_cells(), *restart_cells(), *vllm_cells()]
+    return [*plane_cells(), *same_namespace_cells(), *version_cells(), *curve_cells(),
+            *compat_cells(), *size_cells(), *fanout_cells(), *restart_cells(), *vllm_cells()]
 
 
 def select(full: bool, pattern: str | None = None) -> list[Cell]:

@@ -7,6 +7,12 @@ and address lives in namespaces this run created, and the whole topology is dele
 (``close``; also ``atexit``), even after a failure. Namespaces left by a run that died
 (``ecti-<pid>-*`` whose pid is gone) are removed at start-up, after ending their processes.
 
+**Shared-namespace slots**: slots whose name starts with ``lo`` (:data:`SHARED_PREFIX`, e.g.
+``lo-p``/``lo-c``) are all placed in *one* namespace ``ecti-<pid>-lo`` (only ``lo`` up, no veth)
+on loopback addresses ``127.0.0.<N>`` with N ≥ 2: distinct processes that share a host *and* a
+network namespace, as co-located containers with host networking do. Cells that must run on
+``127.0.0.N`` or need same-namespace reachability (the shm plane) use them.
+
 Fallback (no root / no ``ip netns``): every slot is a loopback address ``127.0.0.<N>`` of the
 root namespace, and the report says so.
 """
@@ -22,6 +28,8 @@ import signal
 import subprocess
 
 PREFIX = "ecti-"
+#: Slots named ``lo…`` share one namespace on 127.0.0.N addresses (see the module docstring).
+SHARED_PREFIX = "lo"
 _NAME = re.compile(r"^ecti-(\d+)-")
 
 
@@ -60,6 +68,11 @@ def cleanup_stale() -> list[str]:
         _ip("netns", "del", ns, check=False)
         gone.append(ns)
     return gone
+
+
+def is_shared(slot: str) -> bool:
+    """Whether ``slot`` is a shared-namespace loopback slot (``lo…``)."""
+    return slot.startswith(SHARED_PREFIX)
 
 
 def netns_available() -> tuple[bool, str]:
@@ -122,7 +135,16 @@ class Topology:
         _ip("-n", hub, "link", "set", "lo", "up")
         _ip("-n", hub, "link", "add", "br0", "type", "bridge")
         _ip("-n", hub, "link", "set", "br0", "up")
-        for i, slot in enumerate(self.slots):
+        shared = [s for s in self.slots if is_shared(s)]
+        if shared:
+            ns = f"{PREFIX}{pid}-lo"
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            for k, slot in enumerate(shared):
+                self._addr[slot] = f"127.0.0.{k + 2}"
+                self._ns[slot] = ns
+        for i, slot in enumerate(s for s in self.slots if not is_shared(s)):
             ns = f"{PREFIX}{pid}-{slot}"
             _ip("netns", "add", ns)
             self._created.append(ns)
@@ -139,6 +161,10 @@ class Topology:
 
     def address(self, slot: str) -> str:
         return self._addr[slot]
+
+    def shares_namespace(self, a: str, b: str) -> bool:
+        """Whether slots ``a`` and ``b`` run in one network namespace (always, on loopback)."""
+        return self.mode == "loopback" or self._ns.get(a) == self._ns.get(b)
 
     def namespace(self, slot: str) -> str | None:
         return self._ns.get(slot)

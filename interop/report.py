@@ -50,7 +50,8 @@ def write(results: list[CellResult], out_dir: Path, *, mode: str, mode_reason: s
              f"- date: {now}; wall time {wall_s:.0f} s; host `{platform.platform()}`",
              f"- topology: **{mode}**" + (f" ({mode_reason})" if mode_reason else "") +
              (": one network namespace and address per node slot, joined by veth pairs on a "
-              "bridge" if mode == "netns" else ""),
+              "bridge; the `lo-*` slots share one more namespace on 127.0.0.N addresses"
+              if mode == "netns" else ""),
              f"- cells: {len(results)}; passed {passed}; deviations {len(failed)}; "
              f"skipped {len(skipped)}"]
     for k, v in sorted(versions.items()):
@@ -60,7 +61,8 @@ def write(results: list[CellResult], out_dir: Path, *, mode: str, mode_reason: s
     lines += ["", "Outcomes: `ok` = bytes verified (SHA-256) or connected; `miss:R` = "
               "`Miss(reason=R)`; `error:E` = exception `E` raised; `refused:E` = the node could "
               "not start (`E`); `vllm:*` = the state vLLM's own ConsumerSession ended in. "
-              "`v2*` = an emulated version claim.", "",
+              "`v2*` = an emulated version claim. `ok via P`: the step must have used plane "
+              "`P` (the negotiated plane, reported by the node; the `plane` column).", "",
               "| # | cell | producer → consumer(s) | expected | observed | plane | time s | "
               "result |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):

@@ -111,24 +111,35 @@ class Entry:
 
 @dataclass(frozen=True)
 class Expect:
-    """Allowed outcomes of one step (any of ``outcomes``), and the plane if it matters.
+    """Allowed outcomes of one step (any of ``outcomes``), and the plane an ``ok`` must use.
 
-    ``loopback`` replaces ``outcomes`` when the run had no network namespaces (e.g. the shm plane
-    works between loopback addresses of one namespace, not across namespaces).
+    ``loopback`` / ``loopback_plane`` replace ``outcomes`` / ``plane`` when the run had no network
+    namespaces (every node in one namespace). The shm plane is the case: it reaches only a peer in
+    its own network namespace, so across namespaces negotiation skips it (the next common plane is
+    used, or the connect is refused with ``NoCommonPlane`` when shm was the only one), while in
+    one namespace shm itself is chosen.
     """
 
     outcomes: tuple[str, ...]
     plane: str | None = None
     loopback: tuple[str, ...] | None = None
+    loopback_plane: str | None = None
 
     def allowed(self, mode: str) -> tuple[str, ...]:
         if mode == "loopback" and self.loopback is not None:
             return self.loopback
         return self.outcomes
 
+    def plane_for(self, mode: str) -> str | None:
+        """The plane an ``ok`` must have used in this topology mode (None: not checked)."""
+        if mode == "loopback" and self.loopback is not None:
+            return self.loopback_plane
+        return self.plane
+
     def label(self, mode: str) -> str:
         s = "|".join(self.allowed(mode))
-        return f"{s} via {self.plane}" if self.plane else s
+        plane = self.plane_for(mode)
+        return f"{s} via {plane}" if plane else s
 
 
 def ok(plane: str | None = None) -> Expect:

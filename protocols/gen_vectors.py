@@ -81,6 +81,17 @@ VALID: dict[str, tuple[Message, str]] = {
                      ("Hello from a newer consumer (v=3): still decodable by a v1-only node, "
                       "since Hello/Welcome are frozen for the major.")),
     "welcome_ok": (_welcome(Status.OK, 1, "nixl", ""), "Negotiation succeeded: version 1, nixl."),
+    "hello_localities": (Hello(v=1, session_id=SID, node_id="consumer-2", versions=[1],
+                               planes=["shm", "tcp"], compat_hash=COMPAT, mem_kinds=["DRAM"],
+                               localities={"shm": bytes.fromhex("82a4626f6f74a131a36e6574a132")}),
+                         ("v1.1: the consumer's planes say where it is (the producer negotiates "
+                          "only planes that can reach it); omitted when empty.")),
+    "welcome_endpoint": (Welcome(v=1, session_id=SID, node_id="producer-0", status=Status.OK,
+                                 version=1, plane="tcp", versions=[1], planes=["tcp"],
+                                 compat_hash=COMPAT, detail="",
+                                 endpoint=bytes.fromhex("84a168a931302e302e302e35a170cd15e2")),
+                         ("v1.1: the negotiated plane's declaration, to which every grant of the "
+                          "session is bound; omitted when empty.")),
     "welcome_nack_version": (
         _welcome(Status.NACK_VERSION, 0, "",
                  "no common protocol version: producer speaks [1], consumer [2]"),
@@ -207,6 +218,8 @@ def to_json(value: Any) -> Any:
         return {f: to_json(getattr(value, f)) for f in value.__struct_fields__}
     if isinstance(value, list):
         return [to_json(x) for x in value]
+    if isinstance(value, dict):
+        return {k: to_json(x) for k, x in value.items()}
     return value
 
 

@@ -1,14 +1,34 @@
 """The NIXL data plane: one-sided READ of granted blocks over NIXL's UCX backend.
 
-The producer registers its whole region once and hands out, per grant, a :class:`NixlGrant`: its
-agent name, its agent metadata (cached at start-up) and one ``(addr, length)`` descriptor per
-contiguous run of the *granted* blocks only (vLLM's ECCPUConnector sends whole-region descriptors;
-we do not). The consumer loads the producer's metadata once per agent name, posts a READ of those
-descriptors into its own blocks and polls the handle; NIXL delivers ``notif`` to the producer when
-the READ completes (:meth:`NixlPlane.poll_notifications`).
+**Grant scope** (option ``grant_scope``, issue 13). vLLM's ECCPUConnector hands every consumer the
+agent metadata of the whole registered region, so a consumer can READ any block, granted or not.
+Here, by default (``"grant"``), the producer registers *the granted blocks* when it describes a
+grant (one NIXL registration per distinct block list, shared by concurrent grants of the same
+entry, measured 5–20 µs on a 2-core host) and hands out NIXL *partial* metadata naming only that
+registration; the registration is dropped when the last grant naming it is revoked (after the
+producer's grace period, see :mod:`ectransport.session.producer`). What that enforces depends on
+the UCX transport underneath — see docs/security.md: on RDMA transports the HCA checks the
+registration's key, so a stale or foreign descriptor fails on the plane; on ``cma``/``tcp``
+(one host, or no RDMA) UCX reads any address of the producer process, and scope is only enforced
+by a consumer's own NIXL agent (which refuses descriptors outside the sections it was given).
+``"region"`` registers the whole region once and puts the full metadata in every grant (the
+vLLM-compatible behaviour, for measurement and for old consumers).
 
-Agent names are ``f"{node_id}-{8 hex digits}"``, fresh at every start, so a restarted producer is a
-new agent and never reuses a consumer's stale connection.
+**Binding** (plugin API 2, issue 17). The producer declares its agent once per session
+(:meth:`NixlPlane.endpoint`: agent name, connection-only metadata, its identity, its region's
+bounds); the consumer's :meth:`NixlPlane.bind_peer` loads it only if the agent name carries the
+identity of the CURVE key the consumer dialed, and every grant of that session must name that agent
+and stay inside the declared region. A hostile producer therefore cannot make a consumer load
+another producer's agent, read a third party's memory, or poison the connection the consumer keeps
+to an honest producer; a failed READ drops only the failing producer's remote agent, which is
+re-established from its declaration at the next grant.
+
+The consumer posts a READ of the granted descriptors into its own blocks and polls the handle; NIXL
+delivers ``notif`` to the producer when the READ completes (:meth:`NixlPlane.poll_notifications`).
+
+Agent names are ``f"{node_id}-{identity}-{8 hex digits}"`` (``f"{node_id}-{8 hex}"`` without an
+identity), fresh at every start, so a restarted producer is a new agent and never reuses a
+consumer's stale connection.
 
 Importing this module does not import nixl (that takes seconds); the constructor does.
 """
@@ -41,7 +61,13 @@ from ectransport.store import Run
 
 _INSTALL_HINT = "install it with: pip install 'ectransport[nixl]'"
 _MEM_KINDS = ("DRAM", "VRAM")
-_OPTIONS = {"num_threads", "prog_thread", "progress_delay_us"}
+_OPTIONS = {"num_threads", "prog_thread", "progress_delay_us", "grant_scope"}
+_SCOPES = ("grant", "region")
+#: Remote memory sections a consumer keeps loaded per producer agent before it drops the agent and
+#: reloads it from the declaration (each scoped grant adds one section, ~270 bytes, to NIXL's view
+#: of that agent; NIXL has no call to remove one).
+MAX_REMOTE_SECTIONS = 4096
+_MD_PREFIX = b"nixlSerDes|Agent"
 #: Default pause of NIXL's progress thread between passes, microseconds. NIXL's Python wrapper
 #: creates agents with a delay of 0: an idle agent then burns a whole core (measured 1.00 CPU-s/s;
 #: 0.04 with 100 us), which on a small host starves everything else. READ latency is unchanged:
@@ -69,6 +95,56 @@ class NixlGrant(msgspec.Struct, frozen=True, tag="nixl/1", forbid_unknown_fields
     descs: list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(gt=0)]]]
 
 
+class NixlEndpoint(msgspec.Struct, frozen=True, tag="nixl-ep/1", forbid_unknown_fields=True):
+    """What a NIXL producer declares once per session (:meth:`NixlPlane.endpoint`).
+
+    Attributes:
+        agent: its agent name (``<node_id>-<identity>-<8 hex>``).
+        conn: agent metadata to connect with: connection information only (``grant`` scope) or the
+            whole region's metadata (``region`` scope).
+        identity: the producer's identity (see ``identity_of``); ``""`` in insecure mode.
+        mem_kind / dev_id: its region's memory kind and device.
+        base / nbytes: its region's address range; every granted descriptor lies inside it.
+        scope: ``"grant"`` or ``"region"``.
+    """
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    conn: Annotated[bytes, msgspec.Meta(max_length=32 << 10)]
+    identity: Annotated[str, msgspec.Meta(max_length=64)]
+    mem_kind: str
+    dev_id: Annotated[int, msgspec.Meta(ge=0)]
+    base: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    nbytes: Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
+    scope: str
+
+
+class _Binding:
+    """Consumer side: a producer's validated declaration (one per producer session)."""
+
+    __slots__ = ("ep", "peer")
+
+    def __init__(self, ep: NixlEndpoint, peer: str):
+        self.ep = ep
+        self.peer = peer
+
+
+def metadata_agent(meta: bytes) -> str | None:
+    """The agent name inside serialized NIXL metadata (full or partial), None if unrecognised.
+
+    NIXL's serializer writes ``b"nixlSerDes|Agent"``, an 8-byte little-endian length, then the
+    name; checking it lets a consumer refuse metadata of another agent *before* loading it."""
+    if not meta.startswith(_MD_PREFIX) or len(meta) < len(_MD_PREFIX) + 8:
+        return None
+    n = int.from_bytes(meta[len(_MD_PREFIX):len(_MD_PREFIX) + 8], "little")
+    name = meta[len(_MD_PREFIX) + 8:len(_MD_PREFIX) + 8 + n]
+    if n == 0 or n > 256 or len(name) != n:
+        return None
+    try:
+        return name.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 _log = logging.getLogger(__name__)
 
 # NIXL's native errors (nixlNotFoundError, nixlBackendError, ...) derive from Exception directly,
@@ -88,6 +164,7 @@ def _quietly(what: str, fn: Any, *args: Any) -> bool:
 
 _grant_encoder = msgspec.msgpack.Encoder()
 _grant_decoder = msgspec.msgpack.Decoder(NixlGrant)
+_endpoint_decoder = msgspec.msgpack.Decoder(NixlEndpoint)
 
 
 class _Read:
@@ -193,6 +270,9 @@ class NixlPlane(DataTransport):
         prog_thread: run NIXL's progress thread (default True).
         progress_delay_us: pause of that thread between passes (default 100 µs; 0 = spin, as
             NIXL's Python wrapper does by default).
+        grant_scope: ``"grant"`` (default: each grant exposes only a registration of its own
+            blocks) or ``"region"`` (the whole region, vLLM's behaviour); see the module docstring.
+        identity: this node's identity (plugin API 2), embedded in the agent name.
 
     Thread safety: every NIXL call is made under one lock; a node may call from several threads.
 
@@ -205,15 +285,25 @@ class NixlPlane(DataTransport):
     name = "nixl"
     capabilities = _LazyCapabilities()  # type: ignore[assignment]
 
-    def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
+    def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
         reject_unknown("nixl plane", options, _OPTIONS)
         mem_kind = getattr(region, "mem_kind", "DRAM")
         if mem_kind not in _MEM_KINDS:
             raise ConfigError(f"nixl plane moves {_MEM_KINDS} memory, region is {mem_kind!r}")
+        scope = str(options.get("grant_scope", "grant"))
+        if scope not in _SCOPES:
+            raise ConfigError(f"grant_scope must be one of {_SCOPES}, got {scope!r}")
+        if "-" in identity or len(identity) > 64:
+            raise ConfigError(f"identity must be up to 64 characters without '-', got {identity!r}")
         nixl_agent, nixl_agent_config = _import_nixl()
+        import nixl._api as api
 
+        self._api = api
         self.node_id = node_id
-        self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
+        self.identity = identity
+        self.grant_scope = scope
+        tag = f"{identity}-" if identity else ""
+        self.agent_name = f"{node_id}-{tag}{uuid.uuid4().hex[:8]}"
         self._region = region
         self._base = int(region.addr)
         self._block_bytes = int(region.block_bytes)
@@ -224,6 +314,11 @@ class NixlPlane(DataTransport):
         self._handles: set[_Read] = set()
         self._stuck: list[Any] = []  # xfer handles NIXL refused to release (still in flight)
         self._peers: dict[str, bytes] = {}  # remote agent name -> metadata it was loaded with
+        self._sections: dict[str, int] = {}  # remote agent -> scoped sections loaded since
+        self._dirty: set[str] = set()  # remote agents to drop once no READ of theirs is in flight
+        self._owners: dict[str, tuple[str, int]] = {}  # remote agent -> (identity, bindings)
+        self._exposed: dict[tuple[tuple[int, int], ...], list[Any]] = {}  # spans -> [reg, md, n]
+        self._reg: Any = None  # the whole region's registration (region scope, or consumer use)
         self._closed = False
 
         config = nixl_agent_config(
@@ -243,16 +338,28 @@ class NixlPlane(DataTransport):
                 f"NIXL has no UCX backend here (plugins: {self._agent.get_plugin_list()}); "
                 f"reinstall nixl: {_INSTALL_HINT}"
             )
+        if scope == "region":
+            self._register_region()
+        self._meta: bytes = self._agent.get_agent_metadata()
+        try:
+            self._conn_meta: bytes = self._agent.get_partial_agent_metadata(
+                self._api.nixlBind.nixlRegDList(self._agent.nixl_mems[mem_kind], []), True, ["UCX"])
+        except Exception as exc:
+            raise PlaneUnavailable(f"this NIXL build cannot export partial metadata: {exc}") from exc
+
+    def _register_region(self) -> None:
+        """Register the whole region (once): region scope, or the consumer's landing blocks."""
+        if self._reg is not None:
+            return
         try:
             self._reg = self._agent.register_memory(
-                [(self._base, int(region.nbytes), self._dev_id, "")], mem_kind
+                [(self._base, int(self._region.nbytes), self._dev_id, "")], self._mem_kind
             )
         except Exception as exc:
             raise DataPlaneError(
-                f"NIXL could not register the {mem_kind} region "
-                f"({region.nbytes} bytes at 0x{self._base:x}): {exc}"
+                f"NIXL could not register the {self._mem_kind} region "
+                f"({self._region.nbytes} bytes at 0x{self._base:x}): {exc}"
             ) from exc
-        self._meta: bytes = self._agent.get_agent_metadata()
 
     # -- discovery --------------------------------------------------------------------------------
     @classmethod
@@ -293,8 +400,63 @@ class NixlPlane(DataTransport):
             raise DataPlaneError("nixl plane is closed")
         check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
         descs = merge_runs(runs, self._block_bytes, self._base)
-        grant = NixlGrant(self.agent_name, self._meta, self._mem_kind, self._dev_id, descs)
+        if self.grant_scope == "region":
+            meta = self._meta
+        else:
+            with self._lock:
+                meta = self._expose_locked(tuple(descs))
+        grant = NixlGrant(self.agent_name, meta, self._mem_kind, self._dev_id, descs)
         return _grant_encoder.encode(grant)
+
+    def revoke(self, plane_grant: bytes) -> None:
+        """The grant ended: drop its registration once no other live grant names the same blocks
+        (grant scope; a no-op in region scope). Over RDMA this invalidates the key the consumer
+        holds; unknown or malformed grants are ignored."""
+        if self.grant_scope == "region":
+            return
+        try:
+            grant = _grant_decoder.decode(plane_grant)
+        except (msgspec.DecodeError, TypeError):
+            return
+        key = tuple((int(a), int(n)) for a, n in grant.descs)
+        with self._lock:
+            rec = self._exposed.get(key)
+            if rec is None or self._closed:
+                return
+            rec[2] -= 1
+            if rec[2] <= 0:
+                del self._exposed[key]
+                _quietly("deregister of a grant", self._agent.deregister_memory, rec[0])
+
+    @property
+    def exposed_registrations(self) -> int:
+        """Producer, grant scope: registrations of granted blocks alive now (one per distinct
+        block list with a live grant)."""
+        return len(self._exposed)
+
+    def endpoint(self) -> bytes:
+        """Msgpack :class:`NixlEndpoint`: this agent's name, connection metadata (and in region
+        scope the region's), identity and region bounds (plugin API 2)."""
+        meta = self._conn_meta if self.grant_scope == "grant" else self._meta
+        return _grant_encoder.encode(NixlEndpoint(
+            self.agent_name, meta, self.identity, self._mem_kind, self._dev_id, self._base,
+            int(self._region.nbytes), self.grant_scope))
+
+    def _expose_locked(self, key: tuple[tuple[int, int], ...]) -> bytes:
+        rec = self._exposed.get(key)
+        if rec is None:
+            dev = self._dev_id
+            try:
+                reg = self._agent.register_memory([(a, n, dev, "") for a, n in key], self._mem_kind)
+                md = self._agent.get_partial_agent_metadata(
+                    self._agent.get_reg_descs([(a, n, dev, "") for a, n in key], self._mem_kind),
+                    True, ["UCX"])  # with connection info: an unbound consumer can load it too
+            except Exception as exc:
+                raise DataPlaneError(f"NIXL could not register {len(key)} granted spans: {exc}") \
+                    from exc
+            rec = self._exposed[key] = [reg, md, 0]
+        rec[2] += 1
+        return bytes(rec[1])
 
     def poll_notifications(self) -> list[bytes]:
         """Notification messages received since the last call, from every remote agent."""
@@ -309,6 +471,65 @@ class NixlPlane(DataTransport):
         return [msg for msgs in notifs.values() for msg in msgs]
 
     # -- consumer side ----------------------------------------------------------------------------
+    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str) -> Any:
+        """Validate a producer's :class:`NixlEndpoint` and connect to its agent (plugin API 2).
+
+        With an ``identity`` (CURVE), the declared identity must equal it and the agent name must
+        carry it, so no other key holder can declare this producer's agent; an agent name already
+        declared by another identity is refused. ``b""`` (a producer that declares nothing)
+        returns None: its grants are then used unbound, as before API 2.
+
+        Raises:
+            DataPlaneError: malformed declaration, identity mismatch, memory kind this plane cannot
+                move, metadata of another agent, or NIXL refusing to load it.
+        """
+        if not endpoint:
+            return None
+        try:
+            ep = _endpoint_decoder.decode(endpoint)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+            raise DataPlaneError(f"malformed nixl endpoint ({len(endpoint)} bytes): {exc}") from exc
+        if identity and (ep.identity != identity or f"-{identity}-" not in f"-{ep.agent}"):
+            raise DataPlaneError(
+                f"nixl agent {ep.agent!r} is not declared by the producer key dialed "
+                f"(identity {identity}, declared {ep.identity!r})")
+        if ep.mem_kind not in _MEM_KINDS or ep.scope not in _SCOPES:
+            raise DataPlaneError(f"nixl endpoint of {ep.agent!r}: memory kind {ep.mem_kind!r} / "
+                                 f"scope {ep.scope!r} not supported")
+        if ep.base + ep.nbytes > 1 << 63:
+            raise DataPlaneError(f"nixl endpoint of {ep.agent!r}: region overflows the address space")
+        if metadata_agent(ep.conn) != ep.agent:
+            raise DataPlaneError(f"nixl endpoint names agent {ep.agent!r} but its metadata is of "
+                                 f"{metadata_agent(ep.conn)!r}")
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("nixl plane is closed")
+            owner, n = self._owners.get(ep.agent, (ep.identity, 0))
+            if owner != ep.identity:
+                raise DataPlaneError(f"nixl agent {ep.agent!r} was already declared by another "
+                                     f"producer identity")
+            self._register_region()  # landing blocks are local descriptors of this agent
+            if self._peers.get(ep.agent) != ep.conn:
+                self._reload_peer_locked(ep.agent, ep.conn)
+            self._owners[ep.agent] = (ep.identity, n + 1)
+        return _Binding(ep, peer)
+
+    def unbind_peer(self, binding: Any) -> None:
+        """The producer session of ``binding`` ended: forget its agent once no READ of it is in
+        flight (a new session re-declares it). Never raises."""
+        if not isinstance(binding, _Binding):
+            return
+        agent = binding.ep.agent
+        with self._lock:
+            if self._closed or agent not in self._owners:
+                return
+            owner, n = self._owners[agent]
+            if n > 1:
+                self._owners[agent] = (owner, n - 1)
+                return
+            del self._owners[agent]
+            self._drop_when_idle_locked(agent)
+
     def start(
         self,
         prepared: Any,
@@ -340,6 +561,10 @@ class NixlPlane(DataTransport):
             raise DataPlaneError(
                 f"nixl grant memory kind {grant.mem_kind!r} is not one of {_MEM_KINDS}"
             )
+        if isinstance(prepared, _Binding):
+            _check_bound(prepared.ep, grant)
+        elif prepared is not None:
+            raise DataPlaneError(f"nixl plane got a binding of another plane: {type(prepared)}")
         check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
         local = merge_runs(runs, self._block_bytes, self._base)
         local_bytes = sum(n for _, n in local)
@@ -354,7 +579,11 @@ class NixlPlane(DataTransport):
         with self._lock:
             if self._closed:
                 raise DataPlaneError("nixl plane is closed")
-            self._load_peer(grant.agent, grant.meta)
+            if isinstance(prepared, _Binding):
+                self._load_bound_locked(prepared.ep, grant)
+            else:
+                self._register_region()
+                self._load_peer(grant.agent, grant.meta)
             try:
                 ldl = self._agent.get_xfer_descs(
                     [(a, n, dev) for a, n in seg_local], self._mem_kind
@@ -364,6 +593,7 @@ class NixlPlane(DataTransport):
                 )
                 xfer = self._agent.initialize_xfer("READ", ldl, rdl, grant.agent, notif)
             except Exception as exc:
+                self._drop_when_idle_locked(grant.agent)
                 raise DataPlaneError(
                     f"NIXL refused a READ of {local_bytes} bytes from {grant.agent!r}: {exc}"
                 ) from exc
@@ -372,11 +602,13 @@ class NixlPlane(DataTransport):
                 state = self._agent.transfer(xfer)
             except Exception as exc:
                 self._release_locked(handle)
+                self._drop_when_idle_locked(grant.agent)
                 raise DataPlaneError(
                     f"NIXL could not post a READ of {local_bytes} bytes from {grant.agent!r}: {exc}"
                 ) from exc
             if state == "ERR":
                 self._release_locked(handle)
+                self._drop_when_idle_locked(grant.agent)
                 raise DataPlaneError(f"NIXL failed to post a READ from {grant.agent!r}")
             if state == "DONE":
                 handle.state = XferState.DONE
@@ -400,6 +632,9 @@ class NixlPlane(DataTransport):
             handle.state = XferState.DONE
         elif state != "PROC":
             handle.state = XferState.ERR
+            with self._lock:  # only the failing producer's agent is re-established
+                if not self._closed:
+                    self._drop_when_idle_locked(handle.agent, failed=handle)
         return handle.state
 
     def release(self, handle: _Read) -> None:
@@ -416,6 +651,7 @@ class NixlPlane(DataTransport):
         with self._lock:
             if self._closed or self._peers.pop(peer, None) is None:
                 return
+            self._sections.pop(peer, None)
             _quietly(f"remove_remote_agent({peer})", self._agent.remove_remote_agent, peer)
 
     def close(self) -> None:
@@ -429,19 +665,72 @@ class NixlPlane(DataTransport):
             for peer in list(self._peers):
                 _quietly(f"remove_remote_agent({peer})", self._agent.remove_remote_agent, peer)
             self._peers.clear()
-            _quietly("deregister_memory", self._agent.deregister_memory, self._reg)
+            for reg, _, _ in self._exposed.values():
+                _quietly("deregister of a grant", self._agent.deregister_memory, reg)
+            self._exposed.clear()
+            if self._reg is not None:
+                _quietly("deregister_memory", self._agent.deregister_memory, self._reg)
             self._closed = True
             self._agent = None  # stuck xfer handles keep the native agent alive on their own
 
     # -- internals --------------------------------------------------------------------------------
+    def _load_bound_locked(self, ep: NixlEndpoint, grant: NixlGrant) -> None:
+        """Make sure the bound agent is loaded (re-established after a failure or a section
+        reset) and, in grant scope, add the grant's sections — only if they are that agent's."""
+        agent = ep.agent
+        if agent in self._dirty and not self._busy(agent):
+            self._remove_peer_locked(agent)
+        if self._sections.get(agent, 0) >= MAX_REMOTE_SECTIONS and not self._busy(agent):
+            self._remove_peer_locked(agent)
+        if agent not in self._peers:
+            self._reload_peer_locked(agent, ep.conn)
+        if ep.scope == "grant" and grant.meta:
+            try:
+                loaded = self._agent.add_remote_agent(grant.meta)
+            except Exception as exc:
+                raise DataPlaneError(f"cannot load the grant's NIXL metadata of {agent!r}: {exc}") \
+                    from exc
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != agent:  # pragma: no cover - metadata_agent() was checked first
+                raise DataPlaneError(f"grant metadata loaded agent {loaded!r}, bound {agent!r}")
+            self._sections[agent] = self._sections.get(agent, 0) + 1
+
+    def _reload_peer_locked(self, agent: str, meta: bytes) -> None:
+        if agent in self._peers:
+            self._remove_peer_locked(agent)
+        self._load_peer(agent, meta)
+        self._sections[agent] = 0
+
+    def _remove_peer_locked(self, agent: str) -> None:
+        self._peers.pop(agent, None)
+        self._sections.pop(agent, None)
+        self._dirty.discard(agent)
+        _quietly(f"remove_remote_agent({agent})", self._agent.remove_remote_agent, agent)
+
+    def _busy(self, agent: str, but: _Read | None = None) -> bool:
+        return any(h.agent == agent and h.xfer is not None and h is not but
+                   for h in self._handles)
+
+    def _drop_when_idle_locked(self, agent: str, failed: _Read | None = None) -> None:
+        """A READ from ``agent`` failed (or its session ended): drop that agent now if none of
+        its READs is in flight, else at its next use once idle. Other agents are untouched."""
+        if agent not in self._peers:
+            return
+        if self._busy(agent, but=failed):
+            self._dirty.add(agent)
+        else:
+            self._remove_peer_locked(agent)
+
     def _load_peer(self, agent: str, meta: bytes) -> None:
-        """Load a remote agent's metadata once; reload it if the same name brings new metadata."""
+        """Load a remote agent's metadata, or add a grant's sections to it (NIXL merges partial
+        metadata of a known agent). Metadata naming another agent is refused *before* loading, so
+        it can never add to, or replace, what this plane knows of that other agent."""
         known = self._peers.get(agent)
         if known == meta:
             return
-        if known is not None:
-            del self._peers[agent]
-            _quietly(f"remove_remote_agent({agent})", self._agent.remove_remote_agent, agent)
+        named = metadata_agent(meta)
+        if named is not None and named != agent:
+            raise DataPlaneError(f"nixl grant names agent {agent!r} but its metadata is {named!r}")
         try:
             loaded = self._agent.add_remote_agent(meta)
         except Exception as exc:
@@ -452,7 +741,8 @@ class NixlPlane(DataTransport):
                 _quietly(f"remove_remote_agent({loaded})", self._agent.remove_remote_agent, loaded)
             raise DataPlaneError(f"nixl grant names agent {agent!r} but its metadata is {loaded!r}")
         self._peers[agent] = meta
-        self._drop_restarted(agent)
+        if known is None:
+            self._drop_restarted(agent)
 
     def _drop_restarted(self, agent: str) -> None:
         """A new agent of the same node (``<node_id>-<8 hex>``) means that producer restarted:
@@ -476,3 +766,26 @@ class NixlPlane(DataTransport):
 
     def _retry_stuck(self) -> None:
         self._stuck = [x for x in self._stuck if not _quietly("release of a stuck READ", x.release)]
+
+
+def _check_bound(ep: NixlEndpoint, grant: NixlGrant) -> None:
+    """Refuse a grant the producer's declaration does not cover (before any NIXL call).
+
+    Raises:
+        DataPlaneError: another agent, memory kind or device; metadata of another agent; a
+            descriptor outside the declared region (overflow included).
+    """
+    if grant.agent != ep.agent:
+        raise DataPlaneError(f"grant names nixl agent {grant.agent!r}, this producer declared "
+                             f"{ep.agent!r}")
+    if grant.mem_kind != ep.mem_kind or grant.dev_id != ep.dev_id:
+        raise DataPlaneError(f"grant names {grant.mem_kind}:{grant.dev_id}, this producer declared "
+                             f"{ep.mem_kind}:{ep.dev_id}")
+    if ep.scope == "grant" and grant.meta and metadata_agent(grant.meta) != ep.agent:
+        raise DataPlaneError(f"grant carries NIXL metadata of {metadata_agent(grant.meta)!r}, not "
+                             f"of the declared agent {ep.agent!r}")
+    end = ep.base + ep.nbytes
+    for addr, length in grant.descs:
+        if addr < ep.base or addr + length > end:
+            raise DataPlaneError(f"grant descriptor ({addr:#x}, {length}) lies outside the "
+                                 f"declared region [{ep.base:#x}, {end:#x})")

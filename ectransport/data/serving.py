@@ -70,6 +70,30 @@ def shutdown_quietly(sock: socket.socket | None) -> None:
             pass
 
 
+def unread_state(sock: socket.socket) -> str:
+    """Whether anything is left on ``sock`` after a complete exchange, without blocking:
+    ``"clean"`` (nothing pending, open), ``"pending"`` (unread bytes: the stream is out of sync,
+    e.g. bytes a producer pushed ahead of a request) or ``"closed"`` (EOF or an error).
+
+    Issue 17: a connection goes back to a pool only when ``"clean"``, so that bytes pushed ahead
+    of time are never taken for the next request's reply. The socket's timeout is restored.
+    """
+    prev = sock.gettimeout()
+    try:
+        sock.settimeout(0.0)  # a timeout socket would wait for readability before the recv
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return "clean"
+    except OSError:
+        return "closed"
+    finally:
+        try:
+            sock.settimeout(prev)
+        except OSError:
+            pass
+    return "pending" if data else "closed"
+
+
 def close_quietly(sock: socket.socket | None) -> None:
     """``close()``; None and errors are ignored."""
     if sock is not None:
@@ -320,11 +344,23 @@ class ConnectionPool(Generic[K, C]):
     def put(self, key: K, conn: C, keep: bool = True) -> bool:
         """Pool ``conn`` if ``keep`` and there is room; False: the caller must close it."""
         with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if keep and not self._closed and len(idle) < self._max_idle:
-                idle.append(conn)
-                return True
+            return keep and self.put_locked(key, conn)
+
+    def put_locked(self, key: K, conn: C) -> bool:
+        """Under the plane lock: :meth:`put` (so the caller can check its own state first)."""
+        idle = self._idle.setdefault(key, [])
+        if not self._closed and len(idle) < self._max_idle:
+            idle.append(conn)
+            return True
         return False
+
+    def drop_where_locked(self, pred: Callable[[K], bool]) -> list[C]:
+        """Under the plane lock: remove and return the idle connections of every key matching
+        ``pred`` (e.g. the keys of one producer session)."""
+        out: list[C] = []
+        for key in [k for k in self._idle if pred(k)]:
+            out += self._idle.pop(key)
+        return out
 
     def note_locked(self, node: str, key: K) -> None:
         """Under the plane lock: producer ``node`` serves at ``key``."""

@@ -26,6 +26,21 @@ sends an oversized, undecodable or wrong-version header gets ``STATUS_BAD_REQUES
 disconnected; one that stalls is disconnected after ``io_timeout_s`` (``idle_timeout_s`` between
 requests). Neither crashes nor hangs the producer.
 
+Binding grants to their producer (plugin API 2, issue 17; :mod:`ectransport.data.binding`): the
+producer's :meth:`TcpPlane.endpoint` declares ``{v, host, port, node, identity}`` once per session;
+the consumer's :meth:`TcpPlane.bind_peer` checks the identity and that the declared host is the host
+it dialed for the control plane, and :meth:`TcpPlane.start` refuses, before connecting anywhere, a
+grant that names another host, port or node. The consumer connects only to the checked addresses
+and keeps each binding's pooled connections apart, so a hostile producer can neither redirect a
+consumer nor disturb its transfers from other producers. A grant started without a binding (a
+producer that declared nothing) is served as before, with a warning.
+
+Stream hygiene (issue 17): every read is bounded by what the grant says (a reply announcing another
+size is an error and its connection is closed), and a connection goes back to the pool only when
+exactly the reply and its granted bytes were read and nothing else is waiting on it; bytes left
+after the payload fail the transfer (the stream is out of sync), and a pooled connection found with
+pending bytes or closed is dropped before use.
+
 Security: the token is a capability secret that travels inside the CURVE-encrypted control plane,
 but the payload itself crosses TCP in clear text. The default bind is loopback; binding another
 address logs a warning. Use NIXL/UCX (or a network you trust) for confidential data.
@@ -48,11 +63,19 @@ from typing import Any
 import msgspec
 
 from ectransport.data.base import (
+    PLUGIN_API_VERSION,
     Capabilities,
     DataTransport,
     RegionLike,
     TransferModel,
     XferState,
+)
+from ectransport.data.binding import (
+    ENDPOINT_VERSION,
+    HostBinding,
+    bind_host_endpoint,
+    check_grant,
+    endpoint_bytes,
 )
 from ectransport.data.options import SERVING_DEFAULTS, ServingOptions, reject_unknown
 from ectransport.data.runs import check_runs, payload_spans, views
@@ -70,6 +93,7 @@ from ectransport.data.serving import (
     new_token,
     receive_state,
     shutdown_quietly,
+    unread_state,
 )
 from ectransport.data.tcp_wire import (
     MAX_HEADER_BYTES,
@@ -79,9 +103,11 @@ from ectransport.data.tcp_wire import (
     STATUS_UNKNOWN_GRANT,
     TCP_WIRE_VERSION,
     TOKEN_BYTES,
+    TcpEndpoint,
     TcpGrant,
     TcpReply,
     TcpRequest,
+    endpoint_decoder,
     grant_decoder,
     recv_exact,
     reply_decoder,
@@ -92,8 +118,8 @@ from ectransport.store import Run
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK",
-    "STATUS_UNKNOWN_GRANT", "TCP_WIRE_VERSION", "TOKEN_BYTES", "TcpGrant", "TcpPlane", "TcpReply",
-    "TcpRequest",
+    "STATUS_UNKNOWN_GRANT", "TCP_WIRE_VERSION", "TOKEN_BYTES", "TcpEndpoint", "TcpGrant",
+    "TcpPlane", "TcpReply", "TcpRequest",
 ]
 
 _log = logging.getLogger(__name__)
@@ -127,7 +153,9 @@ class TcpPlane(DataTransport):
     """Producer-sends plane over plain TCP for one node and one DRAM region.
 
     Args:
-        node_id: this node's id (put in grants).
+        node_id: this node's id (put in grants and in :meth:`endpoint`).
+        identity: this node's control-plane identity (``identity_of`` its CURVE public key; ``""``
+            in insecure mode), declared in :meth:`endpoint`.
         region: the node's region (``addr``, ``nbytes``, ``block_bytes``, ``mem_kind`` DRAM; a
             ``buf`` exposing the buffer protocol is used when present, else ``addr`` is mapped
             with ctypes). It must outlive the plane.
@@ -143,6 +171,7 @@ class TcpPlane(DataTransport):
     """
 
     name = "tcp"
+    plugin_api_version = PLUGIN_API_VERSION
     capabilities = Capabilities(
         transfer_model=TransferModel.PUSH,
         mem_kinds=frozenset({"DRAM"}),
@@ -150,7 +179,7 @@ class TcpPlane(DataTransport):
         notifications=True,
     )
 
-    def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
+    def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
         reject_unknown("tcp plane", options, _OPTIONS)
         opts = {**_OPTIONS, **options}
         mem_kind = getattr(region, "mem_kind", "DRAM")
@@ -169,6 +198,7 @@ class TcpPlane(DataTransport):
                               f"address consumers should connect to")
 
         self.node_id = node_id
+        self.identity = str(identity)
         self._block_bytes = int(region.block_bytes)
         self._num_blocks = int(region.nbytes) // self._block_bytes
         buf = getattr(region, "buf", None)
@@ -189,8 +219,11 @@ class TcpPlane(DataTransport):
         self.stats = collections.Counter()  # accepted, refused, served, aborted, unknown, bad
         # consumer state
         self._receives = Receives(self._lock, self._opt.max_inflight, "tcp plane")
-        self._pool: ConnectionPool[tuple[str, int], socket.socket] = ConnectionPool(
+        # pooled connections per (binding scope, host, port); scope 0 = unbound grants
+        self._pool: ConnectionPool[tuple[int, str, int], socket.socket] = ConnectionPool(
             self._lock, self._opt.max_idle_per_peer)
+        self._bound: set[int] = set()  # scopes of the bindings not yet unbound
+        self._warned_unbound = False
 
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -224,6 +257,44 @@ class TcpPlane(DataTransport):
 
     def describe_transport(self) -> str:
         return f"tcp {self.host}:{self.port}"
+
+    # -- session binding (API 2) -------------------------------------------------------------------
+    def endpoint(self) -> bytes:
+        """Producer side: the msgpack :class:`TcpEndpoint` ``{v, host, port, node, identity}``
+        (about 80 bytes) that every grant of a session must match."""
+        return endpoint_bytes(TcpEndpoint(ENDPOINT_VERSION, self.host, self.port, self.node_id,
+                                          self.identity))
+
+    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str
+                  ) -> HostBinding | None:
+        """Consumer side: check a producer's :meth:`endpoint` and return the session's binding.
+
+        ``b""`` (a producer that declares nothing) gives None: that session's grants are not bound
+        (``start`` warns once). Rules: :mod:`ectransport.data.binding`.
+
+        Raises:
+            DataPlaneError: oversized, malformed or wrong-version declaration; an identity other
+                than ``identity`` (when non-empty); a host other than the dialed ``host``.
+        """
+        binding = bind_host_endpoint(self.name, endpoint_decoder, endpoint, peer=peer, host=host,
+                                     identity=identity)
+        if binding is not None:
+            with self._lock:
+                if self._closed:
+                    raise DataPlaneError("tcp plane is closed")
+                self._bound.add(binding.scope)
+        return binding
+
+    def unbind_peer(self, binding: Any) -> None:
+        """Consumer side: close the idle pooled connections of ``binding``'s session; receives in
+        flight finish but do not pool their connection afterwards. Never raises."""
+        if not isinstance(binding, HostBinding):
+            return
+        with self._lock:
+            self._bound.discard(binding.scope)
+            idle = self._pool.drop_where_locked(lambda key: key[0] == binding.scope)
+        for s in idle:
+            close_quietly(s)
 
     # -- producer side ----------------------------------------------------------------------------
     def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
@@ -276,14 +347,25 @@ class TcpPlane(DataTransport):
               notif: bytes) -> Receive:
         """Request the granted blocks and receive them into local ``runs`` (background thread).
 
+        ``prepared`` is the session's :meth:`bind_peer` result: the grant must name exactly the
+        declared host, port and node, and the connection goes to the checked addresses only.
+        None (a producer that declared nothing): the grant's host is used as is (logged once).
+
         Raises:
-            DataPlaneError: malformed grant, runs/nbytes that do not match it, an oversized
-                ``notif``, too many receives in flight, or the plane is closed.
+            DataPlaneError: malformed grant, a grant not covered by ``prepared`` (nothing was
+                connected), runs/nbytes that do not match it, an oversized ``notif``, too many
+                receives in flight, or the plane is closed.
         """
         try:
             grant = grant_decoder.decode(plane_grant)
         except (msgspec.DecodeError, TypeError) as exc:
             raise DataPlaneError(f"malformed tcp grant ({len(plane_grant)} bytes): {exc}") from exc
+        if prepared is None:
+            self._warn_unbound(grant)
+            key, addrs, node = (0, grant.host, grant.port), (grant.host,), grant.node
+        else:
+            binding = check_grant(prepared, self.name, grant.host, grant.port, grant.node)
+            key, addrs, node = (binding.scope, grant.host, grant.port), binding.addrs, binding.node
         blocks = self._check_runs(runs, nbytes)
         local_bytes = blocks * self._block_bytes
         if grant.runs_bytes != local_bytes or grant.nbytes != nbytes:
@@ -296,14 +378,13 @@ class TcpPlane(DataTransport):
         local = views(self._mem_or_raise(), payload_spans(runs, self._block_bytes, nbytes))
         handle = Receive(nbytes)
         request = frame(TcpRequest(TCP_WIRE_VERSION, grant.token, bytes(notif)))
-        endpoint = (grant.host, grant.port)
         with self._lock:
             if self._closed:
                 raise DataPlaneError("tcp plane is closed")
             self._receives.admit_locked(handle)
-            if grant.node:
-                self._pool.note_locked(grant.node, endpoint)
-            handle.start(self._receive, (handle, endpoint, request, local),
+            if node:
+                self._pool.note_locked(node, key)
+            handle.start(self._receive, (handle, key, addrs, request, local),
                          f"ectransport-tcp-recv-{grant.port}")
         return handle
 
@@ -429,13 +510,19 @@ class TcpPlane(DataTransport):
         return True
 
     # -- consumer internals -----------------------------------------------------------------------
-    def _receive(self, handle: Receive, endpoint: tuple[str, int], request: bytes,
-                 views: list[memoryview]) -> None:
-        """Receive thread: request, reply header, payload into ``views``; sets DONE or ERR."""
+    def _receive(self, handle: Receive, key: tuple[int, str, int], addrs: tuple[str, ...],
+                 request: bytes, views: list[memoryview]) -> None:
+        """Receive thread: request, reply header, payload into ``views``; sets DONE or ERR.
+
+        Reads are bounded: the reply header by :data:`MAX_HEADER_BYTES`, the payload by the
+        grant's ``nbytes`` (a reply announcing another size fails). The connection is pooled
+        again only if nothing is left unread on it (:func:`unread_state`).
+        """
         sock = None
+        endpoint = key[1:]
         try:
             for attempt in (0, 1):
-                sock, reused = self._connection(endpoint, fresh=attempt > 0)
+                sock, reused = self._connection(key, addrs, fresh=attempt > 0)
                 with handle.sock_lock:
                     if handle.cancelled:
                         return
@@ -460,8 +547,8 @@ class TcpPlane(DataTransport):
                 if reply.status == STATUS_UNKNOWN_GRANT:  # the stream is in sync: reusable
                     with handle.sock_lock:
                         reusable, handle.sock = not handle.cancelled, None
-                    if reusable:
-                        self._give_back(endpoint, sock)
+                    if reusable and unread_state(sock) == "clean":
+                        self._give_back(key, sock)
                         sock = None
                 return
             if reply.nbytes != handle.nbytes:
@@ -478,13 +565,18 @@ class TcpPlane(DataTransport):
                     if k == 0:
                         raise PeerClosed(f"producer closed after {got} of {n} bytes of a run")
                     got += k
+            left = unread_state(sock)
+            if left == "pending":  # which bytes were the reply's? fail rather than guess
+                raise DataPlaneError(f"producer sent more than the {handle.nbytes} bytes granted "
+                                     f"(unread bytes follow the payload); connection closed")
             with handle.io_lock, handle.sock_lock:
                 if handle.cancelled:
                     return
                 handle.sock = None  # ours alone now: a later release cannot shut it down
                 handle.state = XferState.DONE
-            self._give_back(endpoint, sock)
-            sock = None
+            if left == "clean":
+                self._give_back(key, sock)
+                sock = None
         except (OSError, ValueError, msgspec.DecodeError, DataPlaneError) as exc:
             handle.detail = f"{type(exc).__name__}: {exc}"
             _log.debug("tcp plane: receive from %s:%d failed: %s", *endpoint, exc)
@@ -495,12 +587,29 @@ class TcpPlane(DataTransport):
             close_quietly(sock)
             handle.settle()
 
-    def _connection(self, endpoint: tuple[str, int], fresh: bool) -> tuple[socket.socket, bool]:
-        if not fresh:
-            idle = self._pool.take(endpoint)
-            if idle is not None:
+    def _connection(self, key: tuple[int, str, int], addrs: tuple[str, ...], fresh: bool
+                    ) -> tuple[socket.socket, bool]:
+        """A pooled connection of ``key`` that has nothing pending (others are closed), or a new
+        one to the first of ``addrs`` that answers on ``key``'s port; ``(sock, reused)``."""
+        while not fresh:
+            idle = self._pool.take(key)
+            if idle is None:
+                break
+            if unread_state(idle) == "clean":
                 return idle, True
-        sock = socket.create_connection(endpoint, timeout=self._opt.connect_timeout_s)
+            _log.debug("tcp plane: pooled connection to %s:%d had unread bytes or was closed",
+                       key[1], key[2])
+            close_quietly(idle)
+        error: OSError | None = None
+        for addr in addrs:
+            try:
+                sock = socket.create_connection((addr, key[2]),
+                                                timeout=self._opt.connect_timeout_s)
+                break
+            except OSError as exc:
+                error = exc
+        else:
+            raise error or OSError(f"no address to connect to for {key[1]}:{key[2]}")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
@@ -508,9 +617,21 @@ class TcpPlane(DataTransport):
         sock.settimeout(self._opt.io_timeout_s)
         return sock, False
 
-    def _give_back(self, endpoint: tuple[str, int], sock: socket.socket) -> None:
-        if not self._pool.put(endpoint, sock):
+    def _give_back(self, key: tuple[int, str, int], sock: socket.socket) -> None:
+        """Pool ``sock`` unless its binding was unbound meanwhile (or the pool is full)."""
+        with self._lock:
+            pooled = (key[0] == 0 or key[0] in self._bound) and self._pool.put_locked(key, sock)
+        if not pooled:
             close_quietly(sock)
+
+    def _warn_unbound(self, grant: TcpGrant) -> None:
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            _log.warning(
+                "tcp plane %s: grant for %s:%d started without a session binding (the producer "
+                "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
+                "a compromised producer could point this consumer elsewhere (issue 17); logged "
+                "once", self.node_id, grant.host, grant.port)
 
     def _count(self, what: str) -> None:
         with self._lock:

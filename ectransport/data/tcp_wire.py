@@ -13,6 +13,7 @@ from typing import Annotated
 
 import msgspec
 
+from ectransport.data.binding import HostEndpoint
 from ectransport.data.serving import TOKEN_BYTES, PeerClosed
 
 #: Version of the TCP plane's own wire format (request/reply headers), checked on every header.
@@ -28,8 +29,8 @@ STATUS_BAD_REQUEST = 2
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK",
-    "STATUS_UNKNOWN_GRANT", "TCP_WIRE_VERSION", "TOKEN_BYTES", "TcpGrant", "TcpReply",
-    "TcpRequest", "recv_exact",
+    "STATUS_UNKNOWN_GRANT", "TCP_WIRE_VERSION", "TOKEN_BYTES", "TcpEndpoint", "TcpGrant",
+    "TcpReply", "TcpRequest", "recv_exact",
 ]
 
 
@@ -53,6 +54,11 @@ class TcpGrant(msgspec.Struct, frozen=True, tag="tcp/1", forbid_unknown_fields=T
     node: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
+class TcpEndpoint(HostEndpoint, frozen=True, tag="tcp-ep", forbid_unknown_fields=True):
+    """The TCP plane's ``endpoint()`` declaration (fields: :class:`HostEndpoint`); every grant
+    of the session must name its ``host``, ``port`` and ``node``."""
+
+
 class TcpRequest(msgspec.Struct, frozen=True, tag="req", forbid_unknown_fields=True):
     """Consumer → producer: send me the blocks of ``token``; deliver ``notif`` when done."""
 
@@ -71,6 +77,7 @@ class TcpReply(msgspec.Struct, frozen=True, tag="rep", forbid_unknown_fields=Tru
 
 
 grant_decoder = msgspec.msgpack.Decoder(TcpGrant)
+endpoint_decoder = msgspec.msgpack.Decoder(TcpEndpoint)
 request_decoder = msgspec.msgpack.Decoder(TcpRequest)
 reply_decoder = msgspec.msgpack.Decoder(TcpReply)
 

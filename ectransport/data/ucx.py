@@ -17,6 +17,26 @@ served by the producer (consumer-initiated PUSH):
 4. consumer, once the header says OK, posts one receive per segment straight into its own blocks
    (zero copy; segments that arrived first wait as unexpected rendezvous requests, not copies).
 
+Binding grants to their producer (plugin API 2, issue 17; :mod:`ectransport.data.binding`): the
+producer declares ``{v, host, port, node, identity}`` once per session (:meth:`UcxPlane.endpoint`);
+the consumer checks it (:meth:`UcxPlane.bind_peer`: identity, and the host must be the one it
+dialed for the control plane) and :meth:`UcxPlane.start` refuses, before connecting, a grant naming
+another host or port. Each binding gets its own UCX endpoint, so a failing (or hostile) producer
+session never closes another's endpoint.
+
+Tags and stream hygiene: UCX matches tag receives per *worker*, not per endpoint, so any peer
+connected to the consumer's worker can send a message that satisfies any posted receive whose tag
+it knows. Transfer ids (``xid``, the tag's upper 44 bits) are therefore random and never reused
+while live: a producer can neither guess the tags of another producer's transfers nor push data
+"ahead of time" for a later fetch of its own (with sequential ids, both were possible: measured,
+a hostile producer's bytes landed in a transfer from an honest one).
+
+Loopback addresses: UCX's TCP connection manager accepts a connection only on an address that is
+assigned to an interface (``ucs_sockaddr_get_ifname``: exact match against ``getifaddrs``).
+127.0.0.N (N != 1) is routed to ``lo`` but not assigned to it, so a connection to 127.0.0.2 was
+rejected by the producer's UCX ("Endpoint is not connected"; the consumer timed out). The listener
+binds every interface anyway, so the consumer dials 127.0.0.1 for any IPv4 loopback address.
+
 Threads: each plane owns one UCX context + worker in *blocking* progress mode, driven by one
 service thread that sleeps in ``select`` on the worker's epoll fd and a wake-up pipe; every UCX
 call is made on that thread (callers enqueue commands), so nothing spins and no call blocks.
@@ -43,10 +63,11 @@ import collections
 import ctypes
 import importlib.metadata
 import importlib.util
-import itertools
+import ipaddress
 import logging
 import os
 import re
+import secrets
 import select
 import struct
 import threading
@@ -58,11 +79,20 @@ import msgspec
 import numpy as np
 
 from ectransport.data.base import (
+    PLUGIN_API_VERSION,
     Capabilities,
     DataTransport,
     RegionLike,
     TransferModel,
     XferState,
+)
+from ectransport.data.binding import (
+    ENDPOINT_VERSION,
+    HostBinding,
+    HostEndpoint,
+    bind_host_endpoint,
+    check_grant,
+    endpoint_bytes,
 )
 from ectransport.data.options import reject_unknown
 from ectransport.data.runs import check_runs, payload_spans, split_spans, union_cuts, views
@@ -75,6 +105,7 @@ _OPTIONS = {"host", "port", "peer_error_handling", "transfer_timeout_s", "ucx_op
 _HEADER_BYTES = 256
 _SEG_BITS = 20  # segments per transfer < 2**20; tag = xid << 20 | index
 _MAX_SEGS = (1 << _SEG_BITS) - 1
+_XID_BITS = 64 - _SEG_BITS  # random transfer ids (see the module docstring)
 _OK, _REFUSED, _BAD, _INTERNAL = 0, 1, 2, 3
 _log = logging.getLogger(__name__)
 
@@ -103,12 +134,17 @@ class UcxGrant(msgspec.Struct, frozen=True, tag="ucx/1", forbid_unknown_fields=T
     lens: list[Annotated[int, msgspec.Meta(gt=0)]]
 
 
+class UcxEndpoint(HostEndpoint, frozen=True, tag="ucx-ep", forbid_unknown_fields=True):
+    """The UCX plane's ``endpoint()`` declaration (fields: :class:`HostEndpoint`); every grant of
+    the session must name its ``host`` and ``port``."""
+
+
 class UcxRequest(msgspec.Struct, frozen=True, tag="ucxreq/1", forbid_unknown_fields=True):
     """Consumer → producer (active message): serve ``token`` as segments ``segs`` on tags
     ``xid << 20 | 1..len(segs)`` after a header on ``xid << 20``."""
 
     token: bytes
-    xid: Annotated[int, msgspec.Meta(gt=0, lt=1 << (64 - _SEG_BITS))]
+    xid: Annotated[int, msgspec.Meta(gt=0, lt=1 << _XID_BITS)]
     notif: bytes
     segs: list[Annotated[int, msgspec.Meta(gt=0)]]
 
@@ -116,6 +152,21 @@ class UcxRequest(msgspec.Struct, frozen=True, tag="ucxreq/1", forbid_unknown_fie
 _grant_encoder = msgspec.msgpack.Encoder()
 _grant_decoder = msgspec.msgpack.Decoder(UcxGrant)
 _request_decoder = msgspec.msgpack.Decoder(UcxRequest)
+_endpoint_decoder = msgspec.msgpack.Decoder(UcxEndpoint)
+
+Key = tuple[int, str, int]  # consumer's endpoint key: (binding scope, 0 = unbound; host; port)
+
+
+def _dial_address(host: str) -> str:
+    """The address to give UCX for ``host``: any IPv4 loopback address becomes 127.0.0.1, the
+    only one UCX's connection manager accepts on (module docstring); others are unchanged."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv4Address) and ip.is_loopback:
+        return "127.0.0.1"
+    return host
 
 
 def _header(status: int, detail: str = "") -> np.ndarray:
@@ -161,12 +212,12 @@ def _default_options(peer_error_handling: bool) -> dict[str, str]:
 class _Transfer:
     """Consumer-side handle of one request (the ``Handle`` of :meth:`UcxPlane.start`)."""
 
-    __slots__ = ("deadline", "detail", "done", "hdr", "hdr_req", "msg", "notif", "peer", "posted",
-                 "reqs", "segs", "state", "token", "views", "xid")
+    __slots__ = ("addr", "deadline", "detail", "done", "hdr", "hdr_req", "msg", "notif", "peer",
+                 "posted", "reqs", "segs", "state", "token", "views", "xid")
 
-    def __init__(self, xid: int, peer: tuple[str, int], token: bytes, notif: bytes,
+    def __init__(self, xid: int, peer: Key, addr: str, token: bytes, notif: bytes,
                  segs: list[int], views: list[np.ndarray], deadline: float):
-        self.xid, self.peer, self.token, self.notif = xid, peer, token, notif
+        self.xid, self.peer, self.addr, self.token, self.notif = xid, peer, addr, token, notif
         self.segs, self.views, self.deadline = segs, views, deadline
         self.state = XferState.PROC
         self.detail = ""
@@ -202,10 +253,13 @@ class UcxPlane(DataTransport):
     """PUSH plane over UCX (ucxx) for one node and one DRAM region.
 
     Args:
-        node_id: this node's id (thread names, logs).
+        node_id: this node's id (thread names, logs, :meth:`endpoint`).
+        identity: this node's control-plane identity (``identity_of`` its CURVE public key; ``""``
+            in insecure mode), declared in :meth:`endpoint`.
         region: the node's region (``addr``, ``nbytes``, ``block_bytes``, ``mem_kind`` DRAM).
-        host: address put into grants for consumers to connect to (default ``"127.0.0.1"``; the
-            UCX listener itself binds every interface — a grant token is the only access check).
+        host: address put into grants and :meth:`endpoint` for consumers to connect to (default
+            ``"127.0.0.1"``; the UCX listener itself binds every interface — a grant token is the
+            only access check). Consumers must dial the control plane at the same host.
         port: UCX listener port (0 = any free port).
         peer_error_handling: UCX endpoint error handling (default False, see the module doc:
             True detects a dead peer at once but forces TCP for intra-node bulk data).
@@ -219,6 +273,7 @@ class UcxPlane(DataTransport):
     """
 
     name = "ucx"
+    plugin_api_version = PLUGIN_API_VERSION
     capabilities = Capabilities(
         transfer_model=TransferModel.PUSH,
         mem_kinds=frozenset({"DRAM"}),
@@ -226,7 +281,7 @@ class UcxPlane(DataTransport):
         notifications=True,
     )
 
-    def __init__(self, *, node_id: str, region: RegionLike, **options: Any):
+    def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
         reject_unknown("ucx plane", options, _OPTIONS)
         mem_kind = getattr(region, "mem_kind", "DRAM")
         if mem_kind != "DRAM":
@@ -241,6 +296,7 @@ class UcxPlane(DataTransport):
         api = self._api
 
         self.node_id = node_id
+        self.identity = str(identity)
         self._block_bytes = int(region.block_bytes)
         self._num_blocks = int(region.nbytes) // self._block_bytes
         nbytes = int(region.nbytes)
@@ -250,12 +306,13 @@ class UcxPlane(DataTransport):
         self._grants: dict[bytes, list[tuple[int, int]]] = {}
         self._notifs = Notifications()
         self._cmds: collections.deque[tuple[str, Any]] = collections.deque()
-        self._xids = itertools.count(1)
+        self._xids: set[int] = set()  # of transfers not finished (guarded by _lock)
+        self._warned_unbound = False
         self._closed = False
         self._stop = False
         self._conns: list[_Conn] = []  # producer side
         self._served: list[_Served] = []
-        self._eps: dict[tuple[str, int], Any] = {}  # consumer side, pooled
+        self._eps: dict[Key, Any] = {}  # consumer side, one per binding and producer listener
         self._live: list[_Transfer] = []
 
         extra = options.get("ucx_options") or {}
@@ -305,6 +362,35 @@ class UcxPlane(DataTransport):
             bulk = "tcp"
         return f"ucx (tls={tls}; intra-node bulk: {bulk}; peer_error_handling={self._eh})"
 
+    # -- session binding (API 2) -------------------------------------------------------------------
+    def endpoint(self) -> bytes:
+        """Producer side: the msgpack :class:`UcxEndpoint` ``{v, host, port, node, identity}``
+        (about 80 bytes) that every grant of a session must match."""
+        return endpoint_bytes(UcxEndpoint(ENDPOINT_VERSION, self._host, self.port, self.node_id,
+                                          self.identity))
+
+    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str
+                  ) -> HostBinding | None:
+        """Consumer side: check a producer's :meth:`endpoint`; the session's binding.
+
+        ``b""`` (a producer that declares nothing) gives None: that session's grants are not bound
+        (``start`` warns once). Rules: :mod:`ectransport.data.binding`.
+
+        Raises:
+            DataPlaneError: oversized, malformed or wrong-version declaration; an identity other
+                than ``identity`` (when non-empty); a host other than the dialed ``host``; closed.
+        """
+        if self._closed:
+            raise DataPlaneError("ucx plane is closed")
+        return bind_host_endpoint(self.name, _endpoint_decoder, endpoint, peer=peer, host=host,
+                                  identity=identity)
+
+    def unbind_peer(self, binding: Any) -> None:
+        """Consumer side: close the UCX endpoint of ``binding``'s session (a transfer of it still
+        in flight ends ERR). Never raises."""
+        if isinstance(binding, HostBinding) and not self._closed:
+            self._submit("unbind", binding.scope)
+
     # -- producer side ----------------------------------------------------------------------------
     def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
         """Msgpack :class:`UcxGrant` for exactly ``runs``; registers its token until revoked.
@@ -342,13 +428,24 @@ class UcxPlane(DataTransport):
               notif: bytes) -> _Transfer:
         """Request the granted bytes into local ``runs``; returns at once (service thread works).
 
+        ``prepared`` is the session's :meth:`bind_peer` result: the grant must name exactly the
+        declared host and port, and the connection goes to the checked address. None (a producer
+        that declared nothing): the grant's host is used as is (logged once).
+
         Raises:
-            DataPlaneError: malformed grant, size mismatch with ``runs``/``nbytes``, or closed.
+            DataPlaneError: malformed grant, a grant not covered by ``prepared`` (nothing was
+                connected), size mismatch with ``runs``/``nbytes``, or closed.
         """
         try:
             grant = _grant_decoder.decode(plane_grant)
         except (msgspec.DecodeError, TypeError) as exc:
             raise DataPlaneError(f"malformed ucx grant ({len(plane_grant)} bytes): {exc}") from exc
+        if prepared is None:
+            self._warn_unbound(grant)
+            key, addr = (0, grant.host, grant.port), grant.host
+        else:
+            binding = check_grant(prepared, self.name, grant.host, grant.port)
+            key, addr = (binding.scope, grant.host, grant.port), binding.addrs[0]
         blocks = check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
         if grant.nbytes != nbytes or sum(grant.lens) != nbytes or grant.blocks != blocks:
             raise DataPlaneError(
@@ -360,10 +457,12 @@ class UcxPlane(DataTransport):
         if len(segs) > _MAX_SEGS:
             raise DataPlaneError(f"ucx transfer needs {len(segs)} segments, at most {_MAX_SEGS}")
         local_views = views(self._mem, split_spans(local, segs) or [])
-        if self._closed:
-            raise DataPlaneError("ucx plane is closed")
-        t = _Transfer(next(self._xids), (grant.host, grant.port), grant.token, notif, segs,
-                      local_views, time.monotonic() + self._timeout_s)
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("ucx plane is closed")
+            xid = self._new_xid_locked()
+        t = _Transfer(xid, key, _dial_address(addr), grant.token, notif, segs, local_views,
+                      time.monotonic() + self._timeout_s)
         self._submit("start", t)
         return t
 
@@ -384,7 +483,7 @@ class UcxPlane(DataTransport):
                 _log.warning("ucx plane: transfer %d still not cancelled after 2 s", handle.xid)
 
     def forget_peer(self, peer: str) -> None:
-        """Close pooled endpoints to ``peer`` (``"host:port"`` or a host)."""
+        """Close the endpoints to ``peer`` (``"host:port"`` or a host), of every binding."""
         self._submit("forget", peer)
 
     def close(self) -> None:
@@ -484,8 +583,11 @@ class UcxPlane(DataTransport):
             elif cmd == "abort":
                 self._abort(arg)
             elif cmd == "forget":
-                for key in [k for k in self._eps if arg in (k[0], f"{k[0]}:{k[1]}")]:
+                for key in [k for k in self._eps if arg in (k[1], f"{k[1]}:{k[2]}")]:
                     self._drop_peer(key, "peer forgotten")
+            elif cmd == "unbind":
+                for key in [k for k in self._eps if k[0] == arg]:
+                    self._drop_peer(key, "session unbound")
 
     # producer ----------------------------------------------------------------------------------
     def _on_connect(self, conn_request: Any) -> None:
@@ -571,12 +673,12 @@ class UcxPlane(DataTransport):
     def _start(self, t: _Transfer) -> None:
         api, Array = self._api, self._Array
         if t.state is not XferState.PROC:  # released before it started
-            t.done.set()
+            self._finish(t, t.state)
             return
         try:
             ep = self._eps.get(t.peer)
             if ep is None:
-                ep = api.UCXEndpoint.create(self._worker, t.peer[0], t.peer[1], self._eh)
+                ep = api.UCXEndpoint.create(self._worker, t.addr, t.peer[2], self._eh)
                 self._eps[t.peer] = ep
             t.hdr_req = ep.tag_recv(Array(t.hdr), api.UCXXTag(t.xid << _SEG_BITS))
             msg = msgspec.msgpack.encode(UcxRequest(t.token, t.xid, t.notif, t.segs))
@@ -584,7 +686,7 @@ class UcxPlane(DataTransport):
             t.reqs = [ep.am_send(t.msg)]
         except Exception as exc:  # noqa: BLE001 - cannot reach the producer
             self._drop_peer(t.peer, f"connect: {exc}")
-            self._finish(t, XferState.ERR, f"cannot reach {t.peer[0]}:{t.peer[1]}: {exc}")
+            self._finish(t, XferState.ERR, f"cannot reach {t.addr}:{t.peer[2]}: {exc}")
             return
         self._live.append(t)
 
@@ -648,9 +750,28 @@ class UcxPlane(DataTransport):
             t.detail = detail
         if t in self._live:
             self._live.remove(t)
+        with self._lock:
+            self._xids.discard(t.xid)
         t.done.set()
 
     # -- internals --------------------------------------------------------------------------------
+    def _new_xid_locked(self) -> int:
+        """A random transfer id in 1..2**44-1 not used by a transfer in flight (under _lock)."""
+        while True:
+            xid = secrets.randbits(_XID_BITS)
+            if xid and xid not in self._xids:
+                self._xids.add(xid)
+                return xid
+
+    def _warn_unbound(self, grant: UcxGrant) -> None:
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            _log.warning(
+                "ucx plane %s: grant for %s:%d started without a session binding (the producer "
+                "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
+                "a compromised producer could point this consumer elsewhere (issue 17); logged "
+                "once", self.node_id, grant.host, grant.port)
+
     def _active_transports(self) -> list[str]:
         info = self._ctx.info
         found = re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.MULTILINE)

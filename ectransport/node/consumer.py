@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ectransport.data.base import DataTransport
+from ectransport.data.base import DataTransport, identity_of
 from ectransport.data.registry import load_plane
 from ectransport.errors import (
     AuthError,
@@ -49,6 +49,7 @@ from ectransport.errors import (
 from ectransport.node.common import Layout, Security, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import (
+    Bind,
     ConsumerConfig,
     ConsumerSession,
     Landed,
@@ -170,6 +171,10 @@ class ConsumerNode:
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
             ``peer_backoff_max_s``, ``request_notifications``).
+        require_binding: refuse a producer whose Welcome declares no data-plane endpoint (an
+            ectransport before plugin API 2, or a producer trying to make its grants unbound, so
+            that they could name any agent or address). Default True; False accepts such grants
+            unbound, as before.
         observer: optional ``(event, fields) -> None`` for metrics and logs, called on the thread
             driving the node — its I/O thread, or a :meth:`fetch` caller running its own fetch —
             (keep it cheap; do not fetch from it or close the node; one that raises is logged and
@@ -203,6 +208,7 @@ class ConsumerNode:
         control_options: Mapping[str, Any] | None = None,
         session_options: Mapping[str, Any] | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
+        require_binding: bool = True,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
 
@@ -219,27 +225,31 @@ class ConsumerNode:
         extra = dict(session_options or {})
         allowed = {f.name for f in dataclasses.fields(ConsumerConfig)} - {
             "node_id", "compat_hash", "planes", "versions", "ack_timeout_s", "read_timeout_s",
-            "quarantine_s"}
+            "quarantine_s", "localities"}
         if unknown := sorted(set(extra) - allowed):
             raise ConfigError(f"unknown session option(s) {unknown}; known: {sorted(allowed)}")
-        self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
-                                     planes=tuple(planes), ack_timeout_s=ack_timeout_s,
-                                     read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
-                                     versions=tuple(versions), **extra)
         self._planes: dict[str, DataTransport] = {}
         self._control = None
         try:
             for name in planes:
                 opts = dict((plane_options or {}).get(name, {}))
-                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region,
-                                                      **opts)
+                self._planes[name] = load_plane(name)(
+                    node_id=self.node_id, region=self.region,
+                    identity=identity_of(security.public_key), **opts)
             self._control = ZmqControlClient(secret_key=security.secret_key,
                                              public_key=security.public_key,
                                              insecure=security.insecure,
                                              **dict(control_options or {}))
+            localities = tuple((n, p.locality()) for n, p in self._planes.items())
         except BaseException:
             self._close_resources()
             raise
+        self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
+                                     planes=tuple(planes), ack_timeout_s=ack_timeout_s,
+                                     read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
+                                     versions=tuple(versions), localities=localities, **extra)
+        self._producers: dict[str, ProducerAddress] = {}  # conn -> where it was dialed
+        self.require_binding = require_binding
         self._sessions: dict[str, ConsumerSession] = {}
         self._waiters: dict[tuple[str, str], list[Future]] = {}
         self._hold: weakref.WeakSet[Future] = weakref.WeakSet()  # futures of submit_held
@@ -519,7 +529,9 @@ class ConsumerNode:
             plane = self._planes.get(s.plane) if s.plane else None
             if plane is not None:
                 for mm_hash, handle in s.reading():
-                    self._execute(s, s.on_read_state(mm_hash, plane.check(handle).value, now), now)
+                    state = plane.check(handle).value
+                    t = time.monotonic()  # observed after the check: the validity window's clock
+                    self._execute(s, s.on_read_state(mm_hash, state, t), t)
             self._execute(s, s.poll(now), now)
             if s.conn in self._connecting:
                 self._check_connecting(s, now)
@@ -563,6 +575,7 @@ class ConsumerNode:
             conn = self._control.connect(producer.host, producer.port, producer.public_key)
             s = ConsumerSession(self.config, conn, self.store, now, observer=self._observe)
             self._sessions[conn] = s
+            self._producers[conn] = producer
         return s
 
     def _start_connect(self, producer: ProducerAddress, deadline: float, fut: Future,
@@ -617,10 +630,35 @@ class ConsumerNode:
                     if state.value != "proc":
                         t = time.monotonic()
                         self._execute(s, s.on_read_state(c.key, state.value, t), t)
+            elif isinstance(c, Bind):
+                self._bind(s, c, now)
             elif isinstance(c, Release):
                 self._planes[s.plane].release(c.handle) if s.plane else None
             elif isinstance(c, Report):
                 self._report(s, c.outcome, now)
+
+    def _bind(self, s: ConsumerSession, c: Bind, now: float) -> None:
+        """Have the negotiated plane validate the producer's declared endpoint (tied to the CURVE
+        key this node dialed it with and the host it dialed) and tell the session."""
+        producer = self._producers[s.conn]
+        plane = self._planes[c.plane]
+        old = s.binding
+        if not c.endpoint and self.require_binding:
+            self._execute(s, s.on_bind_failed(
+                f"the producer declared no {c.plane} endpoint, so its grants could not be bound "
+                f"to it (an older ectransport, or a hostile producer); upgrade it, or pass "
+                f"require_binding=False to accept unbound grants", now), now)
+            return
+        try:
+            binding = plane.bind_peer(c.endpoint, peer=s.conn, host=producer.host,
+                                      identity=identity_of(producer.public_key))
+        except Exception as e:
+            log.warning("producer %s: %s plane refused its endpoint: %s", s.conn, c.plane, e)
+            self._execute(s, s.on_bind_failed(str(e), now), now)
+            return
+        if old is not None and old is not binding:
+            plane.unbind_peer(old)
+        self._execute(s, s.on_bound(binding, now), now)
 
     def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
         self._observe_outcome(s.conn, s.session_id, outcome, now)
@@ -710,7 +748,10 @@ class ConsumerNode:
 
     def _drop(self, s: ConsumerSession) -> None:
         self._sessions.pop(s.conn, None)
+        self._producers.pop(s.conn, None)
         self._control.disconnect(s.conn)
+        if s.plane and s.binding is not None:
+            self._planes[s.plane].unbind_peer(s.binding)
         if s.plane and s.producer_id:
             self._planes[s.plane].forget_peer(s.producer_id)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ectransport.control.base import ControlServer
-from ectransport.data.base import DataTransport
+from ectransport.data.base import DataTransport, TransferModel, identity_of
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
@@ -72,7 +72,7 @@ class ProducerNode:
         host / port: control-plane bind address; port 0 picks a free port (see :attr:`port`).
         security: CURVE keys and allow-list; ``Security(insecure=True)`` for plain ZMQ.
         planes: data planes offered, best first.
-        lease_s / budget_bytes: see :class:`ProducerConfig`.
+        lease_s / budget_bytes / grace_s: see :class:`ProducerConfig`.
         node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
         versions: ECTP versions spoken (override only to emulate older/newer nodes).
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
@@ -105,6 +105,7 @@ class ProducerNode:
         planes: tuple[str, ...] = ("nixl",),
         lease_s: float = 30.0,
         budget_bytes: int | None = None,
+        grace_s: float = 5.0,
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
         region: HostRegion | None = None,
@@ -128,8 +129,9 @@ class ProducerNode:
             for name in planes:
                 opts = _hosted_plane_options(name, dict((plane_options or {}).get(name, {})),
                                              host, advertise_host)
-                self._planes[name] = load_plane(name)(node_id=self.node_id, region=self.region,
-                                                      **opts)
+                self._planes[name] = load_plane(name)(
+                    node_id=self.node_id, region=self.region,
+                    identity=identity_of(security.public_key), **opts)
             allow = None
             if security.allow_dir or security.allow:
                 from ectransport.control.keys import AllowList
@@ -145,7 +147,7 @@ class ProducerNode:
         self.session = self._make_session(
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
                            planes=tuple(planes),
-                           lease_s=lease_s, budget_bytes=budget_bytes,
+                           lease_s=lease_s, budget_bytes=budget_bytes, grace_s=grace_s,
                            versions=tuple(versions)))
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -163,8 +165,13 @@ class ProducerNode:
 
     def _make_session(self, config: ProducerConfig) -> ProducerSession:
         """The sans-I/O session the loop drives (same event/command interface for any profile)."""
-        return ProducerSession(config, self.store, {n: p.describe for n, p in self._planes.items()},
-                               observer=self._observe)
+        planes = self._planes
+        return ProducerSession(config, self.store, {n: p.describe for n, p in planes.items()},
+                               observer=self._observe,
+                               reachable=lambda name, loc: planes[name].reachable(loc),
+                               endpoint=lambda name: planes[name].endpoint(),
+                               revocable=lambda name: planes[name].capabilities.transfer_model
+                               is TransferModel.PUSH)
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -212,7 +219,12 @@ class ProducerNode:
                 log.warning("cannot store %s (%d bytes): %s", mm_hash[:12], data.nbytes,
                             entry.reason)
                 return False
-        self.region.write(entry.runs, data)  # outside the lock: NOT_READY entries are never served
+        try:  # outside the lock: NOT_READY entries are never served
+            self.region.write(entry.runs, data)
+        except BaseException:  # never leave a NOT_READY entry behind (it is never evicted)
+            with self._lock:
+                self.store.discard(mm_hash)
+            raise
         with self._lock:
             self.store.mark_ready(mm_hash)
         return True

@@ -33,6 +33,8 @@ MAX_DETAIL_LEN = 1024
 MAX_LIST_LEN = 64
 MAX_GRANT_BYTES = 4 << 20  # plane-specific grant blob (NIXL metadata + descriptors)
 MAX_DEST_BYTES = 64 << 10
+MAX_LOCALITY_BYTES = 256  # a consumer plane's locality token (Hello.localities)
+MAX_ENDPOINT_BYTES = 64 << 10  # the negotiated plane's declaration (Welcome.endpoint)
 
 SessionId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 NodeId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
@@ -51,12 +53,18 @@ class Message(msgspec.Struct, frozen=True, tag_field="k"):
     v: Version
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, tag="hello", omit_defaults=True):
     """Consumer → producer, first frame of a connection (sent only after CURVE succeeded).
 
     ``v`` is the highest version the sender speaks; ``versions`` lists all of them; ``planes`` lists
     the data planes the consumer can use, best first; ``session_id`` is the consumer session's
     random id (UUID4 hex), to which the producer binds the authenticated peer.
+
+    ``localities`` (added in v1.1; optional and omitted when empty, so v1.0 frames keep their exact
+    bytes and v1.0 nodes ignore it; ``omit_defaults`` is safe here because ``v`` and every v1.0
+    field have no default and are always encoded): plane
+    name → that plane's locality token (``DataTransport.locality()``), from which the producer's
+    plane judges whether it can reach this consumer; a plane it cannot reach is not negotiated.
     """
 
     session_id: SessionId
@@ -65,15 +73,24 @@ class Hello(Message, tag="hello"):
     planes: Annotated[list[PlaneName], msgspec.Meta(max_length=MAX_LIST_LEN)]
     compat_hash: CompatHash
     mem_kinds: Annotated[list[PlaneName], msgspec.Meta(max_length=8)]
+    localities: Annotated[
+        dict[PlaneName, Annotated[bytes, msgspec.Meta(max_length=MAX_LOCALITY_BYTES)]],
+        msgspec.Meta(max_length=MAX_LIST_LEN),
+    ] = {}
 
 
-class Welcome(Message, tag="welcome"):
+class Welcome(Message, tag="welcome", omit_defaults=True):
     """Producer → consumer, answer to ``Hello``.
 
     On ``status == OK``: ``version`` and ``plane`` are the negotiated choices (highest common
     version; the first plane in the consumer's list that the producer offers). Otherwise ``status``
     is NACK_VERSION, NACK_INCOMPAT or NACK_BAD_REQUEST and ``detail`` says why; ``versions`` and
     ``planes`` are the producer's own offer so the consumer can name both lists in its error.
+
+    ``endpoint`` (added in v1.1; optional, omitted when empty like ``Hello.localities``): the negotiated plane's declaration of how it is
+    reached (``DataTransport.endpoint()``: for NIXL its agent name and metadata, for TCP its
+    address). It travels only over this authenticated session, and every grant of the session must
+    name nothing else, so that a compromised producer cannot point the consumer elsewhere.
     """
 
     session_id: SessionId
@@ -85,6 +102,7 @@ class Welcome(Message, tag="welcome"):
     planes: Annotated[list[PlaneName], msgspec.Meta(max_length=MAX_LIST_LEN)]
     compat_hash: CompatHash
     detail: Detail
+    endpoint: Annotated[bytes, msgspec.Meta(max_length=MAX_ENDPOINT_BYTES)] = b""
 
 
 class XferReq(Message, tag="req"):

@@ -1,6 +1,7 @@
 """Sessions layer: sans-I/O producer and consumer state machines (time is an argument)."""
 
 from ectransport.session.commands import (
+    Bind,
     Command,
     Landed,
     Miss,
@@ -15,7 +16,7 @@ from ectransport.session.consumer import ConsumerConfig, ConsumerSession, FetchS
 from ectransport.session.producer import ProducerConfig, ProducerSession, notif_for, parse_notif
 
 __all__ = [
-    "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
+    "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
     "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke", "Send",
     "notif_for", "parse_notif",
 ]

@@ -42,6 +42,17 @@ class PostRead:
 
 
 @dataclass(frozen=True)
+class Bind:
+    """Consumer: the producer was welcomed on ``plane`` and declared ``endpoint`` (its plane's
+    ``DataTransport.endpoint()``); validate it with the plane's ``bind_peer`` and answer with
+    :meth:`ConsumerSession.on_bound` or :meth:`ConsumerSession.on_bind_failed`. Fetches wait until
+    then, so that no grant of this producer is ever used without its binding."""
+
+    plane: str
+    endpoint: bytes
+
+
+@dataclass(frozen=True)
 class Release:
     """Release a data-plane handle (exactly once per handle)."""
 
@@ -94,4 +105,4 @@ class Report:
     outcome: Landed | Miss
 
 
-Command = Send | Revoke | PostRead | Release | Report
+Command = Send | Revoke | PostRead | Bind | Release | Report

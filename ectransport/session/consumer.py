@@ -2,7 +2,7 @@
 
 One ConsumerSession per producer connection (``conn``); many fetches in flight. Per fetch::
 
-    QUEUED ──(Welcome OK)──► WAITING_ACK ──(ack OK, local blocks allocated)──► READING ──► DONE
+    QUEUED ──(Welcome OK, endpoint bound)──► WAITING_ACK ──(ack OK, local blocks allocated)──► READING ──► DONE
        │                      │   ▲   │ NACK_NOT_READY / NACK_BUSY                   │ ERR
        │                      │   └── BACKOFF (retry with backoff until the deadline) │
        ▼                      ▼ other NACK / ack deadline                             ▼
@@ -14,6 +14,22 @@ One ConsumerSession per producer connection (``conn``); many fetches in flight. 
 
 While READING, leases are renewed with ``Renew`` every ``lease/6``, extending by ``2/3·lease``
 (vLLM's NIXL KV lease scheme). Every fetch ends in exactly one :class:`Report` by its deadline.
+
+**Validity window** (ECTP v1 §6.3; the rule that keeps wrong bytes from ever being reported). A
+grant is used only while the consumer can prove its lease is alive, on its own clock, from a
+moment that precedes the grant: ``valid_until = (XferReq sent) + lease_s − margin`` with
+``margin = min(validity_margin_s, lease_s / 4)``. The producer's lease starts when it issues the
+grant, after the request was sent, so the producer cannot have unpinned (or re-used) the blocks
+before ``valid_until``. Therefore an ack handled after ``valid_until`` is not used (the grant is
+given back with ``XferDone(ok=False)`` and the request re-sent while the fetch deadline allows), and
+a transfer whose completion is observed after it is discarded and reported as a miss (its
+transfer is quarantined as after a read timeout). ``Renew`` frames are not confirmed in v1, so the
+consumer never counts them: a transfer must complete inside the window of its own request.
+
+**Binding** (issue 17). A Welcome's ``endpoint`` (the producer plane's declaration) is handed to
+the node as a :class:`Bind` command; fetches wait until :meth:`on_bound` (with the plane's binding,
+which every :class:`PostRead` then carries as ``prepared``) or :meth:`on_bind_failed`, which fails
+this session alone.
 
 **Peer quarantine.** A producer that timed out (ack or read), answered NACK_INTERNAL or went away
 is quarantined for a backoff that doubles from ``peer_backoff_s`` up to ``peer_backoff_max_s``;
@@ -27,8 +43,10 @@ mm_hash may coexist); they become READY on DONE and belong to the caller from th
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +69,7 @@ from ectransport.protocol import (
 )
 from ectransport.protocol.messages import MAX_HASH_LEN
 from ectransport.session.commands import (
+    Bind,
     Command,
     Landed,
     Miss,
@@ -101,6 +120,10 @@ class ConsumerConfig:
         retry_backoff_s / retry_backoff_max_s: first and largest wait before re-sending an
             XferReq answered NACK_NOT_READY or NACK_BUSY [0.02 s → 0.5 s, doubling].
         peer_backoff_s / peer_backoff_max_s: peer quarantine after a failure [1 s → 60 s].
+        localities: ``(plane, token)`` pairs sent in Hello: each plane's
+            ``DataTransport.locality()``, from which the producer judges reachability.
+        validity_margin_s: safety margin of the validity window (see the module docstring)
+            [0.25 s; at most a quarter of the lease].
         request_notifications: ask the data plane to notify the producer when a transfer
             completes (ECTP v1 §5 accepts the notification or ``XferDone`` as the completion
             signal; this consumer always sends ``XferDone``, so the notification is only a
@@ -122,6 +145,8 @@ class ConsumerConfig:
     peer_backoff_s: float = 1.0
     peer_backoff_max_s: float = 60.0
     request_notifications: bool = False
+    validity_margin_s: float = 0.25
+    localities: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass
@@ -138,6 +163,8 @@ class Fetch:
     entry: Entry | None = None  # local landing blocks, keyed "<mm_hash>#<n>" in the store
     handle: Any = None
     retry_s: float = 0.0
+    req_sent: float = 0.0  # when the latest XferReq of this fetch was sent (consumer clock)
+    valid_until: float = float("inf")  # end of the granted lease's validity window
     last_nack: Status | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -185,6 +212,11 @@ class ConsumerSession:
         self._fetches: dict[str, Fetch] = {}
         self._quarantine: dict[str, Fetch] = {}
         self._seq = 0
+        self._welcome: Welcome | None = None  # an OK Welcome whose endpoint is being bound
+        self.binding: Any = None  # the plane's binding of this producer (PostRead.prepared)
+        #: mm_hashes whose XferReq timed out unanswered (a late OK ack is given back with an
+        #: XferDone); bounded, so unsolicited acks are never reflected one for one.
+        self._abandoned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.observer = observer
 
     # -- queries -------------------------------------------------------------------------------
@@ -283,6 +315,7 @@ class ConsumerSession:
                 cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, detail + " (retryable)")))
         why = "producer went away" if was_connected else "producer unreachable (no connection)"
         self.version = None
+        self._welcome = None
         self._hello_deadline = float(
             "inf"
         )  # the next Up sends Hello; queued fetches keep their deadlines
@@ -332,6 +365,13 @@ class ConsumerSession:
         f = self._fetches.get(mm_hash)
         if f is None or f.state is not FetchState.READING or state == "proc":
             return []
+        if state == "done" and now >= f.valid_until:
+            # the bytes may postdate the lease: never report them (§6.3)
+            self._penalize(now, "transfer completed after its grant's validity window")
+            return self._quarantine_fetch(
+                f, now, MissReason.TIMEOUT,
+                f"transfer completed {now - f.valid_until:.3f} s after its grant's validity "
+                f"window; bytes discarded")
         if state == "done":
             assert f.entry is not None
             self.store.mark_ready(f.entry.mm_hash)
@@ -408,6 +448,7 @@ class ConsumerSession:
             planes=list(self.config.planes),
             compat_hash=self.config.compat_hash,
             mem_kinds=["DRAM"],
+            localities=dict(self.config.localities),
         )
         return [Send(self.conn, encode(hello))]
 
@@ -441,14 +482,22 @@ class ConsumerSession:
             reason = _NACK_REASON.get(f.last_nack, MissReason.INTERNAL)
             return [Report(Miss(f.mm_hash, reason, f"still {f.last_nack.name} at the deadline"))]
         if f.state is FetchState.WAITING_ACK:
+            self._abandon(f.mm_hash)
             if not own:
                 self._penalize(now, "no ack before the deadline")
             return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no ack before the deadline"))]
         return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "not connected before the deadline"))]
 
+    def _abandon(self, mm_hash: str) -> None:
+        self._abandoned[mm_hash] = None
+        self._abandoned.move_to_end(mm_hash)
+        while len(self._abandoned) > 1024:
+            self._abandoned.popitem(last=False)
+
     def _send_req(self, f: Fetch, now: float) -> list[Command]:
         f.state = FetchState.WAITING_ACK
         f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
+        f.req_sent = now
         f.timings.setdefault("req", now)
         req = XferReq(
             v=self.version or 0,
@@ -473,6 +522,16 @@ class ConsumerSession:
                     f"producer chose version {msg.version} / plane {msg.plane!r}",
                 )
             )
+        self._welcome = msg
+        return [Bind(msg.plane, msg.endpoint)]
+
+    def on_bound(self, binding: Any, now: float) -> list[Command]:
+        """The node's plane accepted the Welcome's endpoint: the session is usable; queued fetches
+        send their requests. A stale call (no Welcome awaiting its binding) does nothing."""
+        msg, self._welcome = self._welcome, None
+        if msg is None:
+            return []
+        self.binding = binding
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
         if self.blocked_until:
             self._emit("peer_lifted")
@@ -485,16 +544,29 @@ class ConsumerSession:
                 cmds += self._send_req(f, now)
         return cmds
 
+    def on_bind_failed(self, detail: str, now: float) -> list[Command]:
+        """The node's plane refused the Welcome's endpoint (malformed, or naming what this
+        producer cannot own): this session fails — every fetch from this producer misses with
+        INCOMPATIBLE — and no other producer is affected."""
+        if self._welcome is None:
+            return []
+        self._welcome = None
+        return self._fail_session(
+            Miss("", MissReason.INCOMPATIBLE, f"producer's data-plane endpoint refused: {detail}"))
+
     def _on_ack(self, msg: XferAck, now: float) -> list[Command]:
         f = self._fetches.get(msg.mm_hash)
         if f is None or f.state is not FetchState.WAITING_ACK or msg.session_id != self.session_id:
-            # a grant we no longer want (late or duplicate ack): let the producer unpin now
+            # the late grant of a request we gave up on: let the producer unpin now — once, and
+            # only for a request we really sent (never a reflection of unsolicited acks)
             if (
                 msg.status is Status.OK
                 and msg.grant is not None
                 and msg.session_id == self.session_id
-                and (f is None or f.grant_id != msg.grant.grant_id)
+                and msg.mm_hash in self._abandoned
+                and f is None
             ):
+                del self._abandoned[msg.mm_hash]
                 return [self._done(msg.mm_hash, msg.grant.grant_id, ok=False)]
             return []
         f.timings["ack"] = now
@@ -514,24 +586,33 @@ class ConsumerSession:
             detail = f"{msg.status.name}: {msg.detail}" if msg.detail else msg.status.name
             return [Report(Miss(f.mm_hash, reason, detail))]
         g = msg.grant
-        if (
-            g is None
-            or g.block_bytes != self.store.block_bytes
-            or g.plane != self.plane
-            or g.num_blocks != self.store.blocks_for(g.entry_bytes)
-        ):
+        bad = _grant_problem(g, self.plane, self.store)
+        if bad:  # refused, never clamped: a producer that sends this is broken or hostile
             del self._fetches[f.mm_hash]
-            cmds: list[Command] = [
-                Report(
-                    Miss(f.mm_hash, MissReason.INTERNAL, "grant does not match the local layout")
-                )
-            ]
+            cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL, f"bad grant: {bad}"))]
             if g is not None:
                 cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
             return cmds
-        f.grant_id, f.lease_s = g.grant_id, max(0.1, g.lease_s)
+        assert g is not None
+        margin = min(self.config.validity_margin_s, g.lease_s / 4)
+        valid_until = f.req_sent + g.lease_s - margin
+        if now >= valid_until:  # the lease may be over already: never use this grant (§6.3)
+            cmds = [self._done(f.mm_hash, g.grant_id, ok=False)]
+            late = now - valid_until
+            if now + self.config.ack_timeout_s < f.final_deadline:
+                log.warning("grant for %s handled %.3f s after its validity window; asking again",
+                            f.mm_hash[:12], late, extra={"peer": self.conn})
+                return cmds + self._send_req(f, now)
+            del self._fetches[f.mm_hash]
+            return cmds + [Report(Miss(
+                f.mm_hash, MissReason.TIMEOUT,
+                f"grant handled {late:.3f} s after its validity window (lease {g.lease_s} s from "
+                f"the request); not used"))]
+        f.grant_id, f.lease_s, f.valid_until = g.grant_id, g.lease_s, valid_until
         self._seq += 1
-        entry = self.store.alloc(f"{f.mm_hash}#{self._seq}", g.entry_bytes)
+        # landing keys are unique per consumer node: the session id is (UUID4), the sequence
+        # is per session — fetches of one mm_hash from several producers never collide
+        entry = self.store.alloc(f"{f.mm_hash}#{self.session_id}.{self._seq}", g.entry_bytes)
         if isinstance(entry, AllocFailed):
             del self._fetches[f.mm_hash]
             return [
@@ -546,12 +627,13 @@ class ConsumerSession:
             ]
         f.entry = entry
         f.state = FetchState.READING
-        f.deadline = min(f.final_deadline, now + self.config.read_timeout_s)
+        f.deadline = min(f.final_deadline, now + self.config.read_timeout_s, valid_until)
         if not any(x.state is FetchState.READING and x is not f for x in self._fetches.values()):
             self._next_renew = now + f.lease_s / 6
         notif = (notif_for((self.session_id, f.mm_hash, g.grant_id))
                  if self.config.request_notifications else b"")
-        return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif)]
+        return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif,
+                         self.binding)]
 
     def _done(self, mm_hash: str, grant_id: int, ok: bool) -> Send:
         return Send(
@@ -650,3 +732,18 @@ class ConsumerSession:
                 del self._fetches[f.mm_hash]
                 cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
         return cmds
+
+
+def _grant_problem(g: Any, plane: str | None, store: BlockStore) -> str:
+    """Why an OK ack's grant cannot be used ("" if it can): it must exist, match the local layout
+    and negotiated plane, and carry a finite, positive lease."""
+    if g is None:
+        return "an OK ack without a grant"
+    if g.plane != plane:
+        return f"grant for plane {g.plane!r}, negotiated {plane!r}"
+    if g.block_bytes != store.block_bytes or g.num_blocks != store.blocks_for(g.entry_bytes):
+        return (f"grant of {g.num_blocks} blocks of {g.block_bytes} bytes for {g.entry_bytes} "
+                f"bytes does not match the local layout ({store.block_bytes}-byte blocks)")
+    if not (math.isfinite(g.lease_s) and g.lease_s > 0):
+        return f"lease_s must be a positive number of seconds, got {g.lease_s!r}"
+    return ""

@@ -12,12 +12,26 @@ Grant lifecycle (per grant key ``(session_id, mm_hash, grant_id)``)::
 Checks on an XferReq, in order (each failure is a NACK and takes no pin): Hello done for this peer
 (BAD_REQUEST), frame version = negotiated (VERSION), session id non-empty and bound to this peer
 (BAD_REQUEST), compatibility hash (INCOMPAT), a live grant for the same (session, mm_hash) is
-answered again without a second pin, entry present (MISSING) and ready (NOT_READY), the peer's
-pinned-bytes budget (BUSY).
+answered again without a second pin, entry present (MISSING) and ready (NOT_READY), the entry
+larger than the peer's whole pin budget (BAD_REQUEST: terminal, it can never be granted), the
+peer's pinned-bytes budget (BUSY), a grant that fits the wire (INTERNAL).
+
+**Grace period** (ECTP v1 §6.3). On a plane whose grants cannot be revoked (one-sided READ, e.g.
+NIXL: the consumer reads the region without asking), a grant that ended other than by a confirmed
+completion (lease expiry, ``XferDone(ok=False)``, consumer down) keeps its pin for ``grace_s`` more
+seconds — after a consumer-down, counted from the later of now and the lease deadline, since a
+consumer that has not noticed the drop (a frozen process) may still use the grant until then: its
+blocks are not re-allocated while a consumer may still be reading them. The consumer's budget is
+freed at once. On planes that serve each transfer themselves (PUSH: tcp, ucx, shm), ``Revoke``
+stops all access before it returns, so their blocks are unpinned at once. Shutdown releases at
+once (the planes close next). The consumer's own rule (it uses a
+grant only inside ``request sent + lease − margin`` on its clock) already keeps wrong bytes from
+being reported; the grace period is the producer's half of the same contract.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import re
@@ -41,6 +55,7 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.protocol.codec import peek_ids
+from ectransport.protocol.messages import MAX_GRANT_BYTES
 from ectransport.session.commands import Command, Revoke, Send
 from ectransport.store import BlockStore, Run
 
@@ -63,6 +78,8 @@ class ProducerConfig:
         versions: protocol versions spoken.
         lease_s: pin lease of a grant [30 s, as vLLM's ECCPUConnector].
         budget_bytes: max bytes pinned per consumer identity; None = a quarter of the region.
+        grace_s: how long the blocks of a grant that ended without a confirmed completion stay
+            pinned before they may be re-allocated [5 s; see the module docstring].
     """
 
     node_id: str
@@ -71,6 +88,7 @@ class ProducerConfig:
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     lease_s: float = 30.0
     budget_bytes: int | None = None
+    grace_s: float = 5.0
 
 
 @dataclass
@@ -109,9 +127,17 @@ class ProducerSession:
         rng: source of grant ids (default: the OS CSPRNG; tests pass a seeded Random).
         observer: optional ``(event, fields) -> None`` told what happened, for metrics and logs
             (called synchronously; must be cheap and must not call back into the session):
-            ``grant_issued`` / ``grant_ended`` (``why``: completed, expired, released_peer_down;
-            ``held_s``) / ``nack_sent`` (``status``) / ``lease_expired``; fields carry ``peer``,
-            ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``, ``plane`` where known.
+            ``grant_issued`` / ``grant_ended`` (``why``: completed, abandoned, expired,
+            released_peer_down; ``held_s``) / ``nack_sent`` (``status``) / ``lease_expired``;
+            fields carry ``peer``, ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``,
+            ``plane`` where known.
+        reachable: ``(plane, locality) -> bool``: whether that plane can reach a consumer whose
+            Hello carried ``locality`` for it (``DataTransport.reachable``); default: always.
+        endpoint: ``(plane) -> bytes``: the plane's declaration for Welcome
+            (``DataTransport.endpoint``); default ``b""``.
+        revocable: ``(plane) -> bool``: whether revoking a grant on that plane stops every access
+            to its blocks before it returns (producer-served PUSH planes); those grants need no
+            grace period. Default: no plane is (the safe assumption).
     """
 
     def __init__(
@@ -122,8 +148,15 @@ class ProducerSession:
         *,
         rng: random.Random | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
+        reachable: Callable[[str, bytes], bool] | None = None,
+        endpoint: Callable[[str], bytes] | None = None,
+        revocable: Callable[[str], bool] | None = None,
     ):
         self.config = config
+        self._revocable = revocable or (lambda plane: False)
+        self._reachable = reachable or (lambda plane, locality: True)
+        self._endpoint = endpoint or (lambda plane: b"")
+        self._grace: list[tuple[float, str, int]] = []  # (until, mm_hash, entry_id), pins held
         self.store = store
         self.describers = describers
         self._rng = rng or random.SystemRandom()
@@ -138,6 +171,7 @@ class ProducerSession:
         self.stats: dict[str, int] = {
             "grants": 0,
             "completed": 0,
+            "abandoned": 0,
             "expired": 0,
             "released_peer_down": 0,
             "bad_frames": 0,
@@ -164,6 +198,35 @@ class ProducerSession:
     def grant_keys(self) -> list[tuple[str, str, int]]:
         return list(self._grants)
 
+    @property
+    def grace_pins(self) -> int:
+        """Pins held for the grace period of grants that ended without a confirmed completion."""
+        return len(self._grace)
+
+    def check_invariants(self) -> None:
+        """Assert the session's bookkeeping is consistent (for tests and debugging): every grant
+        is indexed by its peer and its (session, mm_hash), every pinned byte is accounted to an
+        identity, and every grant and grace pin holds a pin of a live entry of the same id.
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        pins: dict[tuple[str, int], int] = {}
+        by_identity: dict[str, int] = {}
+        for key, g in self._grants.items():
+            assert self._live.get(key[:2]) == key[2], f"grant {key} not live"
+            st = self._peers.get(g.peer)
+            assert st is not None and key in st.grants, f"grant {key} has no peer"
+            by_identity[g.identity] = by_identity.get(g.identity, 0) + g.pinned_bytes
+            pins[(key[1], g.entry_id)] = pins.get((key[1], g.entry_id), 0) + 1
+        for _, mm_hash, entry_id in self._grace:
+            pins[(mm_hash, entry_id)] = pins.get((mm_hash, entry_id), 0) + 1
+        assert by_identity == self._pinned_by, f"budget {self._pinned_by} != {by_identity}"
+        for (mm_hash, entry_id), n in pins.items():
+            e = self.store.get(mm_hash)
+            assert e is not None and e.entry_id == entry_id and e.pins >= n, (
+                f"entry {mm_hash[:12]} ({entry_id}) lacks {n} pins")
+
     # -- events --------------------------------------------------------------------------------
     def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Command]:
         """A frame from ``peer`` (``user`` = its authenticated identity, "" if none)."""
@@ -185,7 +248,8 @@ class ProducerSession:
                     return [
                         self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")
                     ]
-                return self._release((msg.session_id, msg.mm_hash, msg.grant_id), "completed")
+                why = "completed" if msg.ok else "abandoned"
+                return self._release((msg.session_id, msg.mm_hash, msg.grant_id), why, now)
             case Renew():
                 if state is None or msg.session_id != state.session_id:
                     return [
@@ -206,7 +270,7 @@ class ProducerSession:
         """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
         self._now = now
         key = parse_notif(notif)
-        return self._release(key, "completed") if key is not None else []
+        return self._release(key, "completed", now) if key is not None else []
 
     def on_peer_down(self, peer: Any, now: float) -> list[Command]:
         """The consumer went away: release its grants at once instead of waiting for leases."""
@@ -216,13 +280,17 @@ class ProducerSession:
         self._sessions.pop(state.session_id, None)
         cmds: list[Command] = []
         for key in list(state.grants):
-            cmds += self._release(key, "released_peer_down")
+            cmds += self._release(key, "released_peer_down", now)
         return cmds
 
     def poll(self, now: float) -> list[Command]:
-        """Sweep every lease; unpin expired grants exactly once."""
+        """Sweep every lease (an expired grant ends exactly once) and every grace period (its
+        pin is dropped)."""
         self._now = now
         cmds: list[Command] = []
+        while self._grace and self._grace[0][0] <= now:
+            _, mm_hash, entry_id = heapq.heappop(self._grace)
+            self.store.unpin(mm_hash, entry_id)
         for key in [k for k, g in self._grants.items() if g.deadline <= now]:
             g = self._grants[key]
             fields = {
@@ -239,21 +307,26 @@ class ProducerSession:
                 extra=fields,
             )
             self._emit("lease_expired", fields, nbytes=g.nbytes, plane=g.plane)
-            cmds += self._release(key, "expired")
+            cmds += self._release(key, "expired", now)
         return cmds
 
     def close(self) -> list[Command]:
-        """Release every grant (shutdown)."""
+        """Release every grant and drop every grace pin (shutdown: the planes close next, so
+        nothing can be served from the blocks any more)."""
         cmds: list[Command] = []
         for key in list(self._grants):
-            cmds += self._release(key, "released_peer_down")
+            cmds += self._release(key, "released_peer_down", None)
+        for _, mm_hash, entry_id in self._grace:
+            self.store.unpin(mm_hash, entry_id)
+        self._grace.clear()
         return cmds
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_hello(self, peer: Any, msg: Hello, user: str) -> list[Command]:
         cfg = self.config
 
-        def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "") -> Send:
+        def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "",
+                    endpoint: bytes = b"") -> Send:
             if status is not Status.OK:
                 self.nacks[status] = self.nacks.get(status, 0) + 1
                 self._emit(
@@ -281,6 +354,7 @@ class ProducerSession:
                         planes=list(cfg.planes),
                         compat_hash=cfg.compat_hash,
                         detail=detail[:1000],
+                        endpoint=endpoint,
                     )
                 ),
             )
@@ -321,7 +395,20 @@ class ProducerSession:
                     ),
                 )
             ]
-        plane = next((p for p in msg.planes if p in cfg.planes), None)
+        common_planes = [p for p in msg.planes if p in cfg.planes]
+        plane = next((p for p in common_planes if self._can_reach(p, msg.localities.get(p, b""))),
+                     None)
+        if plane is None and common_planes:
+            return [
+                welcome(
+                    Status.NACK_INCOMPAT,
+                    detail=(
+                        f"no common data plane can reach this consumer: {common_planes} are "
+                        f"common, but each is out of reach (another host or namespace); "
+                        f"producer offers {list(cfg.planes)}, consumer offers {list(msg.planes)}"
+                    ),
+                )
+            ]
         if plane is None:
             return [
                 welcome(
@@ -333,17 +420,23 @@ class ProducerSession:
                 )
             ]
         cmds: list[Command] = []
+        now = self._now if self._now is not None else 0.0
         if owner is not None and owner != peer:
-            cmds += self.on_peer_down(owner, 0.0)  # reconnect: the old route's grants end
+            cmds += self.on_peer_down(owner, now)  # reconnect: the old route's grants end
         old = self._peers.get(peer)
         if old is not None and old.session_id != msg.session_id:
-            cmds += self.on_peer_down(peer, 0.0)  # a new session on this connection supersedes
+            cmds += self.on_peer_down(peer, now)  # a new session on this connection supersedes
         state = self._peers.get(peer)
         if state is None:
             state = _Peer(peer, msg.session_id, max(common), plane, user or msg.session_id)
             self._peers[peer] = state
             self._sessions[msg.session_id] = peer
-        return [*cmds, welcome(Status.OK, state.version, state.plane)]
+        try:
+            endpoint = self._endpoint(state.plane)
+        except Exception as e:  # a plane bug must not kill the node
+            log.exception("plane %s failed to declare its endpoint", state.plane)
+            return [*cmds, welcome(Status.NACK_INTERNAL, detail=f"plane error: {type(e).__name__}")]
+        return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint)]
 
     def _on_req(self, peer: Any, state: _Peer | None, msg: XferReq, now: float) -> list[Command]:
         cfg = self.config
@@ -388,6 +481,13 @@ class ProducerSession:
         if not entry.ready:
             return nack(Status.NACK_NOT_READY, "entry allocated, save not landed yet")
         pinned_bytes = entry.num_blocks * self.store.block_bytes
+        if pinned_bytes > self.budget_bytes:  # terminal: waiting cannot help
+            return nack(
+                Status.NACK_BAD_REQUEST,
+                f"entry needs {pinned_bytes} bytes pinned, more than this consumer's whole pin "
+                f"budget of {self.budget_bytes} bytes: it can never be granted (raise the "
+                f"producer's budget_bytes)",
+            )
         used = self._pinned_by.get(state.identity, 0)
         if used + pinned_bytes > self.budget_bytes:
             return nack(
@@ -404,6 +504,15 @@ class ProducerSession:
             self.store.unpin(entry.mm_hash, entry.entry_id)
             log.exception("plane %s failed to describe a grant", state.plane)
             return nack(Status.NACK_INTERNAL, f"plane error: {type(e).__name__}")
+        if len(plane_grant) > MAX_GRANT_BYTES:  # the consumer could not decode it
+            self.store.unpin(entry.mm_hash, entry.entry_id)
+            log.error("plane %s described a grant of %d bytes (limit %d) for %d runs",
+                      state.plane, len(plane_grant), MAX_GRANT_BYTES, len(entry.runs))
+            return [Revoke(state.plane, plane_grant), *nack(
+                Status.NACK_INTERNAL,
+                f"grant of {len(plane_grant)} bytes for {len(entry.runs)} runs exceeds the wire "
+                f"limit of {MAX_GRANT_BYTES} bytes",
+            )]
         gid = self._rng.getrandbits(63)
         key = (msg.session_id, msg.mm_hash, gid)
         grant = Grant(
@@ -466,8 +575,10 @@ class ProducerSession:
         return [Send(peer, ack)]
 
     # -- helpers -------------------------------------------------------------------------------
-    def _release(self, key: tuple[str, str, int], why: str) -> list[Command]:
-        """End a grant exactly once: revoke it on its plane, then unpin. Unknown keys are no-ops."""
+    def _release(self, key: tuple[str, str, int], why: str, now: float | None) -> list[Command]:
+        """End a grant exactly once: revoke it on its plane, then unpin — at once after a confirmed
+        completion, else after the grace period (``now`` None: at once, for shutdown). Unknown
+        keys are no-ops."""
         g = self._grants.pop(key, None)
         if g is None:
             self.stats["late_signals"] += 1
@@ -481,7 +592,14 @@ class ProducerSession:
             self._pinned_by[g.identity] = left
         else:
             self._pinned_by.pop(g.identity, None)
-        self.store.unpin(key[1], g.entry_id)
+        if (why == "completed" or now is None or self.config.grace_s <= 0
+                or self._revocable(g.plane)):
+            self.store.unpin(key[1], g.entry_id)
+        else:  # the pin stays (the blocks are not re-allocated) until the grace period ends
+            # a consumer that has not noticed the connection drop may read until the lease
+            # deadline; one that gave up or whose lease expired stops at once
+            start = max(now, g.deadline) if why == "released_peer_down" else now
+            heapq.heappush(self._grace, (start + self.config.grace_s, key[1], g.entry_id))
         self.stats[why] += 1
         if self.observer is not None or log.isEnabledFor(logging.DEBUG):
             fields = {
@@ -496,6 +614,13 @@ class ProducerSession:
                 "grant_ended", fields, why=why, nbytes=g.nbytes, plane=g.plane, held_s=held_s
             )
         return [Revoke(g.plane, g.plane_grant)]
+
+    def _can_reach(self, plane: str, locality: bytes) -> bool:
+        try:
+            return bool(self._reachable(plane, locality))
+        except Exception:  # a plane bug must not kill the node: treat it as unreachable
+            log.exception("plane %s failed to judge reachability", plane)
+            return False
 
     def _emit(self, event: str, fields: dict[str, Any], **more: Any) -> None:
         if self.observer is not None:

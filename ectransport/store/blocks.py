@@ -6,12 +6,18 @@ block). Entries are keyed by mm_hash and move NOT_READY → READY → PINNED(n) 
 
 Allocation prefers one contiguous run of blocks (best fit), because every contiguous run becomes a
 single data-plane descriptor, and descriptor count, not bytes, dominates small-block transfer cost.
+When no single free extent holds an entry, it is scattered over the largest extents first, and at
+most ``max_runs`` of them (a grant carries one descriptor per run and must fit the wire limit).
+The free extents are indexed so that every run taken or given back costs O(log n) (see
+:class:`_FreeExtents`): what a put costs depends on how many runs it gets, not on how many holes
+the region has.
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -71,8 +77,14 @@ class Entry:
 class AllocFailed:
     """Typed allocation failure (nothing was evicted).
 
-    ``reason`` is ``"full"`` (free + evictable blocks < needed), ``"too_large"`` (more blocks than
-    the region has) or ``"exists"`` (the mm_hash already has an entry).
+    ``reason`` is one of:
+
+    - ``"full"``: free + evictable blocks < needed;
+    - ``"too_large"``: more blocks than the region has;
+    - ``"exists"``: the mm_hash already has an entry;
+    - ``"fragmented"``: enough blocks are free or evictable, but even after evicting every
+      evictable entry the free blocks lie in so many pieces that the entry would need more than
+      ``BlockStore.max_runs`` runs (each run is one data-plane descriptor of the grant).
     """
 
     reason: str
@@ -81,27 +93,204 @@ class AllocFailed:
     evictable_blocks: int
 
 
+class _FreeExtents:
+    """The free blocks of a pool as maximal extents ``[start, start + length)`` (in blocks).
+
+    Extents are always coalesced (no two touch). Indexes:
+
+    - ``_len_at`` (start → length) and ``_start_at_end`` (end → start) find the neighbours of a run
+      given back in O(1);
+    - ``_heaps`` (length → min-heap of starts) and ``_count`` (length → number of extents) with
+      ``_lengths`` (the distinct lengths, sorted) answer "smallest extent ≥ n, lowest start" (best
+      fit) and "largest extent, lowest start" (scatter). Heaps use lazy deletion: an item ``s`` in
+      ``_heaps[L]`` is live iff ``_len_at.get(s) == L``; stale items are skipped when they reach
+      the top and compacted away when they outnumber the live ones.
+
+    Complexity, with n free extents and N blocks: adding or removing an extent is O(log n) heap
+    work, plus an O(D) list insert/delete (a memmove) when a length appears or disappears, where D,
+    the number of distinct free lengths, is at most √(2N) because distinct positive lengths sum to
+    at most N (D ≤ 5,800 for 16 M blocks), and does not grow with the number of holes. So taking
+    or giving back one run is O(log n) plus at worst a memmove of √(2N) pointers; finding the
+    best fit is O(log D).
+
+    While ``journal`` is a list, every change is appended to it so :meth:`rollback` can undo them.
+    """
+
+    def __init__(self, num_blocks: int):
+        self._len_at: dict[int, int] = {}
+        self._start_at_end: dict[int, int] = {}
+        self._heaps: dict[int, list[int]] = {}
+        self._count: dict[int, int] = {}
+        self._lengths: list[int] = []
+        self.free = 0  # blocks
+        self.journal: list[tuple[bool, int, int]] | None = None
+        self._add(0, num_blocks)
+
+    # -- primitive changes (journaled) ---------------------------------------------------------
+    def _add(self, start: int, length: int) -> None:
+        self._len_at[start] = length
+        self._start_at_end[start + length] = start
+        c = self._count.get(length, 0)
+        if c == 0:
+            bisect.insort(self._lengths, length)
+            self._heaps[length] = [start]
+        else:
+            heap = self._heaps[length]
+            heapq.heappush(heap, start)
+            if len(heap) > 2 * c + 16:  # mostly stale: compact (amortised O(1) per push)
+                live = {s for s in heap if self._len_at.get(s) == length}
+                heap[:] = sorted(live)
+        self._count[length] = c + 1
+        self.free += length
+        if self.journal is not None:
+            self.journal.append((True, start, length))
+
+    def _remove(self, start: int) -> int:
+        length = self._len_at.pop(start)
+        del self._start_at_end[start + length]
+        c = self._count[length] - 1
+        if c == 0:
+            del self._count[length], self._heaps[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
+        else:
+            self._count[length] = c
+        self.free -= length
+        if self.journal is not None:
+            self.journal.append((False, start, length))
+        return length
+
+    def _lowest_start(self, length: int) -> int:
+        """Lowest start of the extents of exactly ``length`` blocks (there must be one)."""
+        heap = self._heaps[length]
+        while self._len_at.get(heap[0]) != length:
+            heapq.heappop(heap)
+        return heap[0]
+
+    # -- operations ------------------------------------------------------------------------------
+    def give(self, start: int, count: int) -> None:
+        """Return ``count`` blocks at ``start`` (all owned until now), merging with neighbours."""
+        end = start + count
+        nxt = self._len_at.get(end)
+        if nxt is not None:
+            self._remove(end)
+            end += nxt
+        prv = self._start_at_end.get(start)
+        if prv is not None:
+            self._remove(prv)
+            start = prv
+        self._add(start, end - start)
+
+    def fits(self, n: int, max_runs: int) -> bool:
+        """Whether :meth:`take` of ``n`` blocks would need at most ``max_runs`` runs.
+
+        O(1) when one extent holds ``n``; else O(min(max_runs, D)) over the largest lengths.
+        """
+        if self.free < n:
+            return False
+        if self._lengths[-1] >= n:
+            return True
+        need, left = n, max_runs
+        for length in reversed(self._lengths):
+            k = min(self._count[length], left)
+            need -= k * length
+            left -= k
+            if need <= 0:
+                return True
+            if left == 0:
+                return False
+        return False  # pragma: no cover (free >= n)
+
+    def take(self, n: int) -> tuple[Run, ...]:
+        """Take ``n`` blocks (``free >= n``): the best fit — the smallest extent that holds ``n``,
+        lowest start among equals — or, when none does, the largest extents first (lowest start
+        among equals; the last one cut from its start), returned sorted by start."""
+        i = bisect.bisect_left(self._lengths, n)
+        if i < len(self._lengths):
+            length = self._lengths[i]
+            return (self._cut(self._lowest_start(length), length, n),)
+        runs = []
+        need = n
+        while need:
+            length = self._lengths[-1]
+            runs.append(self._cut(self._lowest_start(length), length, min(need, length)))
+            need -= runs[-1].count
+        runs.sort(key=lambda r: r.start)
+        return tuple(runs)
+
+    def _cut(self, start: int, length: int, n: int) -> Run:
+        self._remove(start)
+        if n < length:
+            self._add(start + n, length - n)
+        return Run(start, n)
+
+    def rollback(self) -> None:
+        """Undo every change recorded in ``journal`` (newest first); stops journaling."""
+        journal, self.journal = self.journal or [], None
+        for added, start, length in reversed(journal):
+            if added:
+                self._remove(start)
+            else:
+                self._add(start, length)
+
+    def extents(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every free extent, by start (O(n log n); for checks)."""
+        return sorted(self._len_at.items())
+
+    def check(self) -> None:
+        """Assert the indexes agree with each other (O(n log n + stale heap items))."""
+        ext = self.extents()
+        assert self.free == sum(n for _, n in ext)
+        assert all(n > 0 for _, n in ext)
+        assert all(s + n < t for (s, n), (t, _) in zip(ext, ext[1:])), "free extents not coalesced"
+        assert self._start_at_end == {s + n: s for s, n in ext}
+        counts: dict[int, int] = {}
+        for _, n in ext:
+            counts[n] = counts.get(n, 0) + 1
+        assert self._count == counts and self._lengths == sorted(counts)
+        assert set(self._heaps) == set(counts)
+        in_heap = {(s, n) for n, heap in self._heaps.items() for s in heap}
+        assert in_heap.issuperset(ext), "a free extent is missing from its length's heap"
+        for heap in self._heaps.values():
+            assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
+
+
 class BlockStore:
     """Entries over a pool of ``num_blocks`` blocks of ``block_bytes`` bytes.
 
     Not thread-safe: the owner (a session or a node) serialises access.
 
+    Args:
+        num_blocks: blocks in the pool.
+        block_bytes: bytes per block.
+        max_runs: the most runs (contiguous pieces) one entry may be scattered over. Every run
+            becomes one data-plane descriptor in the entry's grant (NIXL: one ``(addr, length)``
+            pair, ~20 bytes msgpacked) and a grant must fit ``MAX_GRANT_BYTES`` (4 MiB) on the
+            wire; unbounded scattering once produced a 4.4 MB grant. 1024 runs ≈ 20 KB of
+            descriptors. An allocation that would need more runs evicts more (see :meth:`alloc`)
+            or fails with ``AllocFailed("fragmented")``.
+
     Eviction: only READY, unpinned entries are evicted, oldest ``mark_ready`` first, and only when an
     allocation can then succeed (fail fast otherwise: vLLM's EmbeddingCache behaves the same).
+
+    Cost: allocating or freeing an entry of k runs is O(k log n) for n free extents (see
+    :class:`_FreeExtents`), independent of how fragmented the pool is.
     """
 
-    def __init__(self, num_blocks: int, block_bytes: int):
+    def __init__(self, num_blocks: int, block_bytes: int, *, max_runs: int = 1024):
         if num_blocks <= 0 or block_bytes <= 0:
             raise ValueError(
                 f"num_blocks and block_bytes must be positive ({num_blocks}, {block_bytes})"
             )
+        if max_runs < 1:
+            raise ValueError(f"max_runs must be at least 1 (got {max_runs})")
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
+        self.max_runs = max_runs
         self._entries: dict[str, Entry] = {}
-        self._ready_order: OrderedDict[str, None] = OrderedDict()  # ready entries, oldest first
-        self._starts: list[int] = [0]  # free extents, sorted by start
-        self._lens: list[int] = [num_blocks]
-        self._free = num_blocks
+        # ready entries, oldest first → their mark_ready sequence number (to restore the order)
+        self._ready_order: OrderedDict[str, int] = OrderedDict()
+        self._ready_seq = itertools.count()
+        self._extents = _FreeExtents(num_blocks)
         self._evictable = 0  # blocks of ready, unpinned entries
         self._ids = itertools.count(1)
         self.evictions = 0
@@ -121,7 +310,7 @@ class BlockStore:
 
     @property
     def free_blocks(self) -> int:
-        return self._free
+        return self._extents.free
 
     @property
     def evictable_blocks(self) -> int:
@@ -141,17 +330,28 @@ class BlockStore:
 
     # -- allocation ----------------------------------------------------------------------------
     def alloc(self, mm_hash: str, nbytes: int) -> Entry | AllocFailed:
-        """Allocate a NOT_READY entry of ``nbytes`` bytes, evicting old ready entries if needed."""
+        """Allocate a NOT_READY entry of ``nbytes`` bytes, evicting old ready entries if needed.
+
+        The entry gets one run (best fit) when a free extent holds it, else the largest free
+        extents, at most :attr:`max_runs` of them. If the free blocks do not suffice, or lie in
+        more than ``max_runs`` pieces, READY unpinned entries are evicted oldest first until the
+        entry fits; if it still does not fit once none is left, every eviction is undone and
+        ``AllocFailed("fragmented")`` is returned — a failed alloc never evicts anything.
+
+        Returns:
+            The entry, or AllocFailed (``exists``, ``too_large``, ``full``, ``fragmented``).
+        """
         n = self.blocks_for(nbytes)
+        free = self._extents.free
         if mm_hash in self._entries:
-            return AllocFailed("exists", n, self._free, self._evictable)
+            return AllocFailed("exists", n, free, self._evictable)
         if n > self.num_blocks:
-            return AllocFailed("too_large", n, self._free, self._evictable)
-        if self._free + self._evictable < n:
-            return AllocFailed("full", n, self._free, self._evictable)
-        while self._free < n:
-            self._evict_oldest()
-        entry = Entry(mm_hash, next(self._ids), nbytes, self._take(n))
+            return AllocFailed("too_large", n, free, self._evictable)
+        if free + self._evictable < n:
+            return AllocFailed("full", n, free, self._evictable)
+        if not self._extents.fits(n, self.max_runs) and not self._evict_until_fits(n):
+            return AllocFailed("fragmented", n, free, self._evictable)
+        entry = Entry(mm_hash, next(self._ids), nbytes, self._extents.take(n))
         self._entries[mm_hash] = entry
         return entry
 
@@ -161,7 +361,7 @@ class BlockStore:
         if e.ready:
             raise StoreError(f"entry {mm_hash[:16]} is already ready")
         e.ready = True
-        self._ready_order[mm_hash] = None
+        self._ready_order[mm_hash] = next(self._ready_seq)
         self._evictable += e.num_blocks
         return e
 
@@ -209,13 +409,39 @@ class BlockStore:
             raise StoreError(f"no entry for mm_hash {mm_hash[:16]}")
         return e
 
-    def _evict_oldest(self) -> None:
-        for key in self._ready_order:
+    def _evict_until_fits(self, n: int) -> bool:
+        """Evict oldest evictable entries until ``n`` blocks fit in ``max_runs`` runs.
+
+        All or nothing: if they never fit, the evictions are undone (the free extents from a
+        journal, the entries and their ready order from the evicted list) and False is returned.
+        """
+        ext = self._extents
+        ext.journal = []
+        evicted: list[tuple[Entry, int]] = []
+        try:
+            while not ext.fits(n, self.max_runs):
+                if self._evictable == 0:
+                    ext.rollback()
+                    for e, _ in evicted:
+                        self._entries[e.mm_hash] = e
+                        self._evictable += e.num_blocks
+                    self.evictions -= len(evicted)
+                    order = [*self._ready_order.items(), *((e.mm_hash, q) for e, q in evicted)]
+                    self._ready_order = OrderedDict(sorted(order, key=lambda kv: kv[1]))
+                    return False
+                evicted.append(self._evict_oldest())
+            return True
+        finally:
+            ext.journal = None
+
+    def _evict_oldest(self) -> tuple[Entry, int]:
+        """Evict the oldest ready unpinned entry; return it and its ready sequence number."""
+        for key, seq in self._ready_order.items():
             e = self._entries[key]
             if e.pins == 0:
                 self._remove(e)
                 self.evictions += 1
-                return
+                return e, seq
         raise StoreError("eviction invariant broken: no evictable entry")  # pragma: no cover
 
     def _remove(self, e: Entry) -> None:
@@ -225,65 +451,27 @@ class BlockStore:
             if e.pins == 0:
                 self._evictable -= e.num_blocks
         for r in e.runs:
-            self._give(r)
-
-    def _take(self, n: int) -> tuple[Run, ...]:
-        # best fit: the smallest single extent that holds n blocks
-        best = -1
-        for i, length in enumerate(self._lens):
-            if length >= n and (best < 0 or length < self._lens[best]):
-                best = i
-                if length == n:
-                    break
-        if best >= 0:
-            return (self._cut(best, n),)
-        # scatter: largest extents first, so the entry has as few runs as possible
-        runs = []
-        need = n
-        while need:
-            i = max(range(len(self._lens)), key=self._lens.__getitem__)
-            runs.append(self._cut(i, min(need, self._lens[i])))
-            need -= runs[-1].count
-        return tuple(sorted(runs, key=lambda r: r.start))
-
-    def _cut(self, i: int, n: int) -> Run:
-        run = Run(self._starts[i], n)
-        if self._lens[i] == n:
-            del self._starts[i], self._lens[i]
-        else:
-            self._starts[i] += n
-            self._lens[i] -= n
-        self._free -= n
-        return run
-
-    def _give(self, run: Run) -> None:
-        i = bisect.bisect_left(self._starts, run.start)
-        start, length = run.start, run.count
-        # merge with the following extent
-        if i < len(self._starts) and self._starts[i] == start + length:
-            length += self._lens[i]
-            del self._starts[i], self._lens[i]
-        # merge with the preceding extent
-        if i > 0 and self._starts[i - 1] + self._lens[i - 1] == start:
-            self._lens[i - 1] += length
-        else:
-            self._starts.insert(i, start)
-            self._lens.insert(i, length)
-        self._free += run.count
+            self._extents.give(r.start, r.count)
 
     def check_invariants(self) -> None:
-        """Assert internal consistency (used by tests): no block both free and owned, counters right."""
+        """Assert internal consistency (used by tests; O(num_blocks)): every block is free or
+        owned by exactly one entry, entries have 1..max_runs runs, indexes and counters agree."""
+        self._extents.check()
         owned = [0] * self.num_blocks
         for e in self._entries.values():
             assert e.pins >= 0
+            assert 1 <= len(e.runs) <= self.max_runs, f"{e.mm_hash}: {len(e.runs)} runs"
             for r in e.runs:
                 for b in range(r.start, r.start + r.count):
                     owned[b] += 1
-        for s, n in zip(self._starts, self._lens):
+        for s, n in self._extents.extents():
             for b in range(s, s + n):
                 owned[b] += 1
         assert all(c == 1 for c in owned), "a block is both free and owned, or lost"
-        assert self._free == sum(self._lens)
+        ready = [k for k, e in self._entries.items() if e.ready]
+        assert sorted(self._ready_order) == sorted(ready)
+        seqs = list(self._ready_order.values())
+        assert seqs == sorted(seqs), "ready order is not oldest first"
         assert self._evictable == sum(
             e.num_blocks for e in self._entries.values() if e.ready and e.pins == 0
         )

@@ -23,11 +23,24 @@ How a plane or plugin author runs it, in their own test file (pytest)::
 subclass inherits every ``test_*`` method. A plane whose :meth:`probe` fails, or that cannot move
 ``"DRAM"``, is skipped. Knobs (class attributes): :attr:`PlaneConformance.block_bytes`,
 :attr:`~PlaneConformance.num_blocks`, :attr:`~PlaneConformance.deadline_s`,
-:attr:`~PlaneConformance.release_stops_landing`.
+:attr:`~PlaneConformance.release_stops_landing`, :attr:`~PlaneConformance.revoke_refuses`,
+:attr:`~PlaneConformance.control_host`.
+
+Planes are built as the nodes build them (plugin API 2): ``Plane(node_id=..., region=...,
+identity=..., **plane_options)``, each node with its own identity; the consumer binds the
+producer's :meth:`~DataTransport.endpoint` once (``bind_peer(..., host=control_host, identity=
+<producer's>)``) and every transfer is started with that binding as ``prepared``.
 
 What is checked (each test bounded by ``deadline_s`` and cleaning up after itself):
 
 * declarations: name, plugin API version, :class:`Capabilities`, ``probe``, ``describe_transport``;
+* session binding (API 2, issue 17: a compromised producer must not redirect a consumer):
+  ``endpoint()`` is bytes of at most ``MAX_ENDPOINT_BYTES`` and ``locality()`` of at most
+  ``MAX_LOCALITY_BYTES``; the producer can reach the consumer's locality; ``bind_peer`` accepts the
+  producer's own declaration; and, for planes that declare something (a non-empty ``endpoint()``),
+  ``bind_peer`` refuses a wrong identity and a malformed or oversized declaration, and ``start``
+  refuses a grant of producer B under producer A's binding (``DataPlaneError``), while B's grant
+  under B's binding still works;
 * round trips of 0 B, 1 B, 4 KiB, 1 MiB and 64 MiB (64 KiB blocks, the last one partial), with
   the bytes outside the consumer's runs untouched and, for planes with notifications, the
   consumer's ``notif`` delivered exactly once to the producer;
@@ -65,11 +78,14 @@ import numpy as np
 import pytest
 
 from ectransport.data.base import (
+    MAX_ENDPOINT_BYTES,
+    MAX_LOCALITY_BYTES,
     PLUGIN_API_VERSION,
     Capabilities,
     DataTransport,
     TransferModel,
     XferState,
+    identity_of,
 )
 from ectransport.errors import DataPlaneError
 from ectransport.store import HostRegion, Run
@@ -77,6 +93,10 @@ from ectransport.store import HostRegion, Run
 KiB = 1024
 MiB = 1024 * KiB
 SENTINEL = 0xEE  # the consumer region's bytes before any transfer
+#: identities of the kit's nodes (``identity_of`` of made-up Z85 CURVE public keys)
+PRODUCER_IDENTITY = identity_of("conformance-producer-A".ljust(40, "a"))
+OTHER_PRODUCER_IDENTITY = identity_of("conformance-producer-B".ljust(40, "b"))
+CONSUMER_IDENTITY = identity_of("conformance-consumer".ljust(40, "c"))
 
 
 # -- helpers (usable on their own) -----------------------------------------------------------------
@@ -177,6 +197,8 @@ class Pair:
     cons_region: HostRegion
     deadline_s: float
     extra: list[DataTransport] = field(default_factory=list)
+    #: the consumer's ``bind_peer`` result for the producer (``start``'s ``prepared``)
+    binding: Any = None
 
     def begin(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int, seed: int,
               notif: bytes | None = None, grant: bytes | None = None) -> Transfer:
@@ -186,7 +208,7 @@ class Pair:
         notif = f"notif-{seed}".encode() if notif is None else notif
         if grant is None:
             grant = self.producer.describe(list(prod_runs), nbytes)
-        handle = self.consumer.start(None, grant, list(cons_runs), nbytes, notif)
+        handle = self.consumer.start(self.binding, grant, list(cons_runs), nbytes, notif)
         return Transfer(grant, handle, list(prod_runs), list(cons_runs), nbytes, data, notif)
 
     def finish(self, t: Transfer) -> XferState:
@@ -197,9 +219,9 @@ class Pair:
             self.consumer.release(t.handle)
 
     def round_trip(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int,
-                   seed: int) -> Transfer:
+                   seed: int, grant: bytes | None = None) -> Transfer:
         """A complete transfer; asserts DONE and equal bytes."""
-        t = self.begin(prod_runs, cons_runs, nbytes, seed)
+        t = self.begin(prod_runs, cons_runs, nbytes, seed, grant=grant)
         assert self.finish(t) is XferState.DONE, "transfer did not complete"
         assert_same(read_runs(self.cons_region, cons_runs, nbytes), t.data)
         return t
@@ -217,6 +239,13 @@ class PlaneConformance:
     #: whether no byte may land in the consumer's blocks once ``release`` returned; a plane that
     #: cannot cancel a DMA (the node then quarantines the blocks) sets it False and says why
     release_stops_landing: ClassVar[bool] = True
+    #: whether a transfer of a grant the producer revoked ends ERR (or is refused); a READ plane
+    #: whose ``revoke`` only drops the grant's registration, which some transports (e.g. UCX over
+    #: cma/shm on one host) do not enforce, sets it False and says why
+    revoke_refuses: ClassVar[bool] = True
+    #: the host the consumer "dialed for the control plane" (``bind_peer``'s ``host``); planes
+    #: whose producer advertises another address of this machine set it to that address
+    control_host: ClassVar[str] = "127.0.0.1"
 
     # -- hooks -------------------------------------------------------------------------------------
     @pytest.fixture
@@ -248,8 +277,9 @@ class PlaneConformance:
     def make_plane(self, checked_class, plane_options):
         made: list[DataTransport] = []
 
-        def make(node_id: str, region: HostRegion) -> DataTransport:
-            plane = checked_class(node_id=node_id, region=region, **plane_options)
+        def make(node_id: str, region: HostRegion, identity: str = "") -> DataTransport:
+            plane = checked_class(node_id=node_id, region=region, identity=identity,
+                                  **plane_options)
             made.append(plane)
             return plane
 
@@ -269,8 +299,19 @@ class PlaneConformance:
     @pytest.fixture
     def pair(self, make_plane, regions) -> Pair:
         prod_region, cons_region = regions
-        return Pair(make_plane("conf-producer", prod_region), make_plane("conf-consumer",
-                    cons_region), prod_region, cons_region, self.deadline_s)
+        pair = Pair(make_plane("conf-producer", prod_region, PRODUCER_IDENTITY),
+                    make_plane("conf-consumer", cons_region, CONSUMER_IDENTITY), prod_region,
+                    cons_region, self.deadline_s)
+        pair.binding = self.bind(pair.consumer, pair.producer, PRODUCER_IDENTITY)
+        return pair
+
+    def bind(self, consumer: DataTransport, producer: DataTransport, identity: str,
+             peer: str | None = None) -> Any:
+        """``consumer.bind_peer`` of ``producer``'s declaration, as the consumer node does after
+        ``Welcome``: ``host`` is :attr:`control_host`, ``peer`` one control connection."""
+        peer = peer or f"{self.control_host}:5555"
+        return consumer.bind_peer(producer.endpoint(), peer=peer, host=self.control_host,
+                                  identity=identity)
 
     # -- declarations ------------------------------------------------------------------------------
     def test_declarations(self, checked_class, pair):
@@ -282,6 +323,79 @@ class PlaneConformance:
         ok, why = cls.probe()
         assert ok is True and isinstance(why, str)
         assert isinstance(pair.producer.describe_transport(), str)
+
+    # -- session binding (plugin API 2, issue 17) ---------------------------------------------------
+    def test_session_binding_declarations(self, pair):
+        for plane in (pair.producer, pair.consumer):
+            assert type(plane).plugin_api_version == PLUGIN_API_VERSION
+            endpoint, locality = plane.endpoint(), plane.locality()
+            assert isinstance(endpoint, bytes) and len(endpoint) <= MAX_ENDPOINT_BYTES
+            assert isinstance(locality, bytes) and len(locality) <= MAX_LOCALITY_BYTES
+        # both planes run in this process: the producer's plane must reach the consumer's
+        assert pair.producer.reachable(pair.consumer.locality()) is True
+        assert isinstance(pair.producer.reachable(b""), bool)  # an older consumer: no raise
+
+    def test_bind_peer_accepts_the_producers_declaration(self, pair):
+        again = self.bind(pair.consumer, pair.producer, PRODUCER_IDENTITY, peer="second:1")
+        pair.consumer.unbind_peer(again)  # a second session of the same producer ends
+        pair.consumer.unbind_peer(again)  # never raises
+        pair.round_trip([Run(0, 2)], [Run(4, 2)], 2 * self.block_bytes - 1, seed=80)
+        if pair.producer.endpoint():
+            # insecure mode (no identity known) binds too
+            pair.consumer.unbind_peer(self.bind(pair.consumer, pair.producer, "", "insecure:1"))
+
+    def test_bind_peer_refuses_another_identity_and_bad_declarations(self, pair):
+        endpoint = pair.producer.endpoint()
+        if not endpoint:
+            pytest.skip("the plane declares nothing (empty endpoint): nothing to bind")
+        with pytest.raises(DataPlaneError):
+            self.bind(pair.consumer, pair.producer, OTHER_PRODUCER_IDENTITY)
+        for label, bad in {
+            "garbage": b"\xc1\x00garbage",
+            "other msgpack": msgspec.msgpack.encode({"hello": [1, 2, 3]}),
+            "truncated": endpoint[: len(endpoint) // 2],
+            "oversized": endpoint + b"\x00" * MAX_ENDPOINT_BYTES,
+        }.items():
+            try:
+                binding = pair.consumer.bind_peer(bad, peer="bad:1", host=self.control_host,
+                                                  identity=PRODUCER_IDENTITY)
+            except DataPlaneError:
+                continue
+            pair.consumer.unbind_peer(binding)
+            pytest.fail(f"declaration {label!r} was accepted")
+        pair.round_trip([Run(0, 2)], [Run(4, 2)], 2 * self.block_bytes, seed=81)
+
+    def test_start_refuses_a_grant_of_another_producer(self, pair, make_plane):
+        """Producer A's binding must not carry producer B's grant: a compromised producer must not
+        point the consumer at another producer (issue 17). Refused before any I/O."""
+        if not pair.producer.endpoint():
+            pytest.skip("the plane declares nothing (empty endpoint): grants are not bound")
+        region_b = HostRegion(16, self.block_bytes)
+        producer_b = make_plane("conf-producer-b", region_b, OTHER_PRODUCER_IDENTITY)
+        try:
+            binding_b = self.bind(pair.consumer, producer_b, OTHER_PRODUCER_IDENTITY,
+                                  peer="producer-b:1")
+            nbytes = 2 * self.block_bytes - 3
+            grant_b = producer_b.describe([Run(1, 2)], nbytes)
+            with pytest.raises(DataPlaneError):
+                handle = pair.consumer.start(pair.binding, grant_b, [Run(8, 2)], nbytes, b"x")
+                pair.consumer.release(handle)
+            grant_a = pair.producer.describe([Run(1, 2)], nbytes)
+            with pytest.raises(DataPlaneError):
+                handle = pair.consumer.start(binding_b, grant_a, [Run(8, 2)], nbytes, b"x")
+                pair.consumer.release(handle)
+            # each grant under its own producer's binding still works
+            data = pattern(nbytes, 82)
+            region_b.write([Run(1, 2)], data)
+            handle = pair.consumer.start(binding_b, grant_b, [Run(8, 2)], nbytes, b"b")
+            assert pair.finish(Transfer(grant_b, handle, [Run(1, 2)], [Run(8, 2)], nbytes, data,
+                                        b"b")) is XferState.DONE
+            assert_same(read_runs(pair.cons_region, [Run(8, 2)], nbytes), data)
+            pair.consumer.unbind_peer(binding_b)
+            pair.round_trip([Run(1, 2)], [Run(12, 2)], nbytes, seed=83, grant=grant_a)
+        finally:
+            producer_b.close()  # before its region goes away
+            region_b.close()
 
     # -- round trips -------------------------------------------------------------------------------
     @pytest.mark.parametrize("nbytes", [0, 1, 4 * KiB, 1 * MiB, 64 * MiB],
@@ -367,7 +481,9 @@ class PlaneConformance:
         assert time.monotonic() - start < self.deadline_s
         pair.consumer.release(t.handle)
         # the consumer still works, with a restarted producer
-        pair.producer = make_plane("conf-producer", pair.prod_region)
+        pair.producer = make_plane("conf-producer", pair.prod_region, PRODUCER_IDENTITY)
+        pair.consumer.unbind_peer(pair.binding)  # the node: session ended, new session
+        pair.binding = self.bind(pair.consumer, pair.producer, PRODUCER_IDENTITY)
         pair.round_trip([Run(5, 3)], [Run(1070, 3)], 3 * self.block_bytes - 1, seed=41)
 
     # -- grants ------------------------------------------------------------------------------------
@@ -404,16 +520,17 @@ class PlaneConformance:
         }
         for label, grant in bad.items():
             try:
-                handle = pair.consumer.start(None, grant, [Run(8, 2)], 2 * self.block_bytes, b"x")
+                handle = pair.consumer.start(pair.binding, grant, [Run(8, 2)],
+                                             2 * self.block_bytes, b"x")
             except DataPlaneError:
                 continue
             pair.consumer.release(handle)
             pytest.fail(f"grant {label!r} was accepted")
         with pytest.raises(DataPlaneError):  # the local runs are longer than the grant's
-            pair.consumer.start(None, good, [Run(8, 3)], 2 * self.block_bytes, b"x")
+            pair.consumer.start(pair.binding, good, [Run(8, 3)], 2 * self.block_bytes, b"x")
         with pytest.raises(DataPlaneError):  # local runs outside the consumer's region
-            pair.consumer.start(None, good, [Run(self.num_blocks - 1, 2)], 2 * self.block_bytes,
-                                b"x")
+            pair.consumer.start(pair.binding, good, [Run(self.num_blocks - 1, 2)],
+                                2 * self.block_bytes, b"x")
         pair.round_trip(runs, [Run(8, 2)], 2 * self.block_bytes, seed=50)
 
     @staticmethod
@@ -423,6 +540,9 @@ class PlaneConformance:
     def test_revoke(self, pair):
         if not self._revocable(pair.producer):
             pytest.skip("plane cannot revoke (inherits DataTransport.revoke)")
+        if not self.revoke_refuses:
+            pytest.skip("the plane's revoke does not refuse later transfers here "
+                        "(revoke_refuses=False)")
         pair.producer.revoke(b"")  # garbage: no-op
         pair.producer.revoke(b"\xc1garbage")
         runs = [Run(0, 4)]
@@ -442,10 +562,13 @@ class PlaneConformance:
                                                           regions):
         prod_region, cons_region = regions
         before = threading.active_count()
-        producer = checked_class(node_id="conf-producer", region=prod_region, **plane_options)
-        consumer = checked_class(node_id="conf-consumer", region=cons_region, **plane_options)
+        producer = checked_class(node_id="conf-producer", region=prod_region,
+                                 identity=PRODUCER_IDENTITY, **plane_options)
+        consumer = checked_class(node_id="conf-consumer", region=cons_region,
+                                 identity=CONSUMER_IDENTITY, **plane_options)
         pair = Pair(producer, consumer, prod_region, cons_region, self.deadline_s)
         try:
+            pair.binding = self.bind(consumer, producer, PRODUCER_IDENTITY)
             done = pair.round_trip([Run(0, 2)], [Run(0, 2)], 2 * self.block_bytes, seed=70)
             in_flight = pair.begin([Run(10, 512)], [Run(10, 512)], 512 * self.block_bytes,
                                    seed=71)
@@ -461,7 +584,7 @@ class PlaneConformance:
         with pytest.raises(DataPlaneError):
             producer.describe([Run(0, 1)], self.block_bytes)
         with pytest.raises(DataPlaneError):
-            consumer.start(None, done.grant, [Run(0, 2)], 2 * self.block_bytes, b"")
+            consumer.start(pair.binding, done.grant, [Run(0, 2)], 2 * self.block_bytes, b"")
         end = time.monotonic() + self.deadline_s
         while threading.active_count() > before and time.monotonic() < end:
             time.sleep(0.01)

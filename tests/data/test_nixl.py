@@ -248,38 +248,6 @@ def test_restarted_producer_is_a_new_agent_and_works(region_pair):
         consumer.close()
 
 
-def test_same_agent_name_with_new_metadata_is_reloaded(planes):
-    """A grant whose agent name is cached with other metadata replaces the cached peer."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    producer, consumer, prod_region, cons_region = planes
-    sent, got = _transfer(
-        producer, consumer, prod_region, cons_region, [Run(0, 1)], [Run(0, 1)], BLOCK, seed=3
-    )
-    np.testing.assert_array_equal(got, sent)
-    # an impostor agent under the producer's name, with its own memory (raw NIXL)
-    buf = _pattern(2 * BLOCK, seed=4)
-    twin = nixl_agent(producer.agent_name, nixl_agent_config(backends=["UCX"]))
-    reg = twin.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    try:
-        grant = msgspec.msgpack.encode(
-            NixlGrant(
-                producer.agent_name,
-                twin.get_agent_metadata(),
-                "DRAM",
-                0,
-                [(buf.ctypes.data, buf.nbytes)],
-            )
-        )
-        handle = consumer.start(None, grant, [Run(30, 2)], buf.nbytes, b"twin")
-        assert _wait(consumer, handle) is XferState.DONE
-        consumer.release(handle)
-        np.testing.assert_array_equal(cons_region.read([Run(30, 2)], buf.nbytes), buf)
-    finally:
-        consumer.forget_peer(producer.agent_name)
-        twin.deregister_memory(reg)
-
-
 # -- handles and lifecycle --------------------------------------------------------------------------
 def test_release_is_idempotent_and_check_keeps_final_state(planes):
     producer, consumer, *_ = planes

@@ -127,6 +127,35 @@ def test_round_trip(planes, prod_runs, cons_runs, nbytes):
     assert (cons_region.buf[mask] == 0xEE).all()
 
 
+@pytest.mark.parametrize("host", ["127.0.0.2", "127.0.0.3"])
+def test_producer_on_another_loopback_address(regions, host):
+    """Regression: a producer with host=127.0.0.N (N != 1) timed out. UCX's TCP connection
+    manager only accepts on addresses assigned to an interface, and 127.0.0.N is routed to lo,
+    not assigned to it; the consumer now dials 127.0.0.1 for any IPv4 loopback host."""
+    prod_region, cons_region = regions
+    producer = UcxPlane(node_id="p", region=prod_region, host=host, transfer_timeout_s=5.0)
+    consumer = UcxPlane(node_id="c", region=cons_region, transfer_timeout_s=5.0)
+    try:
+        assert msgspec.msgpack.decode(producer.describe([Run(0, 1)], 1), type=UcxGrant).host \
+            == host
+        binding = consumer.bind_peer(producer.endpoint(), peer=f"{host}:1", host=host,
+                                     identity="")
+        assert binding.addrs == (host,)
+        for prepared, seed in ((binding, 5), (None, 6)):  # bound, and as an older node would
+            data = _pattern(4 * BLOCK - 3, seed)
+            prod_region.write([Run(0, 4)], data)
+            h = consumer.start(prepared, producer.describe([Run(0, 4)], data.nbytes),
+                               [Run(8, 4)], data.nbytes, b"")
+            try:
+                assert _wait(consumer, h) is XferState.DONE, h.detail
+            finally:
+                consumer.release(h)
+            np.testing.assert_array_equal(cons_region.read([Run(8, 4)], data.nbytes), data)
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_round_trip_with_peer_error_handling(regions):
     prod_region, cons_region = regions
     producer = UcxPlane(node_id="p", region=prod_region, peer_error_handling=True)

@@ -40,11 +40,60 @@ def test_any_of_several_allowed_outcomes_passes():
 
 
 def test_topology_dependent_expectation():
-    exp = Expect(("miss:INTERNAL",), loopback=("ok",))
-    assert deviation(exp, Observed("miss:INTERNAL"), "netns") is None
-    assert deviation(exp, Observed("ok", "shm", bytes_ok=True), "netns") is not None
+    """shm+tcp on both sides: tcp across namespaces, shm in one; both byte-exact."""
+    exp = Expect(("ok",), "tcp", loopback=("ok",), loopback_plane="shm")
+    assert deviation(exp, Observed("ok", "tcp", bytes_ok=True), "netns") is None
+    assert "plane shm, expected tcp" in deviation(exp, Observed("ok", "shm", bytes_ok=True),
+                                                  "netns")
     assert deviation(exp, Observed("ok", "shm", bytes_ok=True), "loopback") is None
-    assert deviation(exp, Observed("miss:INTERNAL"), "loopback") is not None
+    assert deviation(exp, Observed("ok", "tcp", bytes_ok=True), "loopback") is not None
+    assert exp.label("netns") == "ok via tcp" and exp.label("loopback") == "ok via shm"
+
+
+def test_ok_without_a_reported_plane_is_a_deviation_when_a_plane_is_expected():
+    assert "not reported" in deviation(ok("tcp"), Observed("ok", "", bytes_ok=True), "netns")
+    assert deviation(ok(), Observed("ok", "", bytes_ok=True), "netns") is None
+
+
+def test_shm_is_never_negotiated_across_namespaces():
+    """Issue 13: shm only reaches its own network namespace. Across namespaces the next common
+    plane is expected (byte-exact), or a negotiation refusal where shm is the only common one;
+    never a fetch that misses after negotiation."""
+    conn, fetch = matrix._plane_expect(("shm", "tcp"), ("shm", "tcp"))
+    assert (conn.label("netns"), fetch.label("netns")) == ("ok via tcp", "ok via tcp")
+    assert (conn.label("loopback"), fetch.label("loopback")) == ("ok via shm", "ok via shm")
+    conn, fetch = matrix._plane_expect(("shm",), ("shm",))
+    assert conn.allowed("netns") == ("error:NoCommonPlane",)
+    assert fetch.allowed("netns") == ("miss:INCOMPATIBLE",)
+    assert fetch.label("loopback") == "ok via shm"
+    conn, fetch = matrix._plane_expect(("shm",), ("shm",), same_namespace=True)
+    assert fetch.label("netns") == fetch.label("loopback") == "ok via shm"
+    for c in matrix.select(full=True):
+        for st in c.steps:
+            if st.expect is None or c.group in ("restart", "curve"):
+                continue  # a killed producer / a missing key may miss INTERNAL, not a plane
+            for mode in ("netns", "loopback"):
+                assert "miss:INTERNAL" not in st.expect.allowed(mode), (c.name, st)
+
+
+def test_every_successful_plane_or_size_step_names_its_plane():
+    for c in matrix.select(full=True):
+        if c.group not in ("planes", "sizes", "fan-out", "restart"):
+            continue
+        for st in c.steps:
+            if st.expect is None:
+                continue
+            for mode in ("netns", "loopback"):
+                if "ok" in st.expect.allowed(mode):
+                    assert st.expect.plane_for(mode), (c.name, st.op, mode)
+
+
+def test_cells_on_127_0_0_n_share_one_namespace():
+    cells = [c for c in matrix.select(full=False) if "127.0.0.N" in c.name]
+    assert {c.producer.planes for c in cells} >= {("tcp",), ("nixl",), ("ucx",), ("shm",)}
+    for c in cells:
+        assert c.producer.host == matrix.LO_P and c.consumers[0].host == matrix.LO_C
+        assert all(st.expect.allowed("netns") == ("ok",) for st in c.steps)
 
 
 def test_outcome_of_a_node_answer():
@@ -98,13 +147,39 @@ def test_vector_gate_picks_up_a_new_version_directory(tmp_path):
     assert not ok_ and "v7" in detail
 
 
-@pytest.mark.parametrize("slots", [["p1", "c1"]])
+@pytest.mark.parametrize("slots", [["p1", "c1", "lo-p", "lo-c"]])
 def test_loopback_topology_addresses(slots):
     from interop.netns import Topology
 
     t = Topology(slots, mode="loopback")
     try:
         assert t.mode == "loopback" and t.address("p1") == "127.0.0.2"
+        assert t.address("lo-c") == "127.0.0.5"
         assert t.wrap("p1", ["x"]) == ["x"]
+        assert t.shares_namespace("p1", "lo-p")
     finally:
         t.close()
+
+
+def test_netns_topology_puts_lo_slots_in_one_namespace():
+    import os
+    import shutil
+    import subprocess
+
+    from interop.netns import Topology, list_namespaces, netns_available
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not netns_available()[0]:
+        pytest.skip("network namespaces unavailable (needs root and ip netns)")
+    t = Topology(["p1", "c1", "lo-p", "lo-c"], mode="netns")
+    try:
+        ns = {s: t.namespace(s) for s in ("p1", "c1", "lo-p", "lo-c")}
+        assert ns["lo-p"] == ns["lo-c"] and len(set(ns.values())) == 3
+        assert (t.address("lo-p"), t.address("lo-c")) == ("127.0.0.2", "127.0.0.3")
+        assert t.shares_namespace("lo-p", "lo-c") and not t.shares_namespace("p1", "c1")
+        # 127.0.0.3 is local in the shared namespace (lo is up there)
+        r = subprocess.run(t.wrap("lo-p", ["ip", "route", "get", "127.0.0.3"]),
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode == 0 and "local" in r.stdout, r.stdout + r.stderr
+    finally:
+        t.close()
+    assert ns["lo-p"] not in list_namespaces()

@@ -6,6 +6,7 @@ import random
 
 from ectransport.protocol import compat_hash, decode
 from ectransport.session import (
+    Bind,
     ConsumerConfig,
     ConsumerSession,
     ProducerConfig,
@@ -49,14 +50,23 @@ def msgs(cmds, versions=(1,)):
     return [decode(c.data, versions=versions) for c in sends(cmds)]
 
 
+def bound(consumer, cmds, now, binding="binding"):
+    """Play the node's part for :class:`Bind` commands: the plane accepts the endpoint."""
+    out = []
+    for c in cmds:
+        out += consumer.on_bound(binding, now) if isinstance(c, Bind) else [c]
+    return out
+
+
 def pump(producer, consumer, cmds, now, peer="peer1", user=""):
-    """Deliver consumer commands to the producer and its replies back; returns the rest."""
+    """Deliver consumer commands to the producer and its replies back (binding any Welcome's
+    endpoint, as the node does); returns the rest."""
     rest = []
     for c in cmds:
         if isinstance(c, Send):
             for r in producer.on_frame(peer, c.data, now, user=user):
                 if isinstance(r, Send):
-                    rest += consumer.on_frame(r.data, now)
+                    rest += bound(consumer, consumer.on_frame(r.data, now), now)
         else:
             rest.append(c)
     return rest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from ectransport.protocol import (
@@ -12,11 +13,12 @@ from ectransport.protocol import (
     XferDone,
     XferReq,
     compat_hash,
+    decode,
     encode,
 )
 from ectransport.session import FetchState, Landed, Miss, MissReason, PostRead, Release, Report
 
-from .helpers import BLOCK, make_consumer, make_producer, msgs, pump, put
+from .helpers import BLOCK, bound, make_consumer, make_producer, msgs, pump, put
 
 
 def reports(cmds):
@@ -41,7 +43,7 @@ def test_hello_then_request_then_read_lands():
     cmds = pump(p, c, cmds, 0.1) if any(not isinstance(x, PostRead) for x in cmds) else cmds
     (post,) = [x for x in cmds if isinstance(x, PostRead)]
     assert post.nbytes == 5 * BLOCK and sum(r.count for r in post.runs) == 5
-    assert c.store.get("a#1").ready is False  # local blocks reserved, not ready
+    assert c.store.get(f"a#{c.session_id}.1").ready is False  # local blocks reserved, not ready
     assert c.on_read_posted("a", "H", 0.2) == []
     assert c.reading() == [("a", "H")]
     assert c.on_read_state("a", "proc", 0.3) == []
@@ -50,7 +52,7 @@ def test_hello_then_request_then_read_lands():
     (done,) = [m for m in msgs(out) if isinstance(m, XferDone)]
     assert done.ok and done.mm_hash == "a"
     (landed,) = reports(out)
-    assert isinstance(landed, Landed) and landed.entry.ready and c.store.get("a#1").ready
+    assert isinstance(landed, Landed) and landed.entry.ready and c.store.get(f"a#{c.session_id}.1").ready
     p.on_frame("peer1", encode(done), 0.5)
     assert pstore.get("a").pins == 0
     assert c.in_flight() == 0
@@ -82,15 +84,18 @@ def test_not_ready_is_retried_with_backoff_until_it_lands():
 
 
 def test_retryable_nack_until_deadline_is_a_typed_miss():
-    p, pstore = make_producer(budget_bytes=BLOCK)
+    p, pstore = make_producer(budget_bytes=3 * BLOCK)
+    put(pstore, "hold", 2)
     put(pstore, "big", 2)
     c = make_consumer()
     connected(p, c)
+    (post,) = pump(p, c, c.fetch("hold", 0.0, 5.0), 0.0)  # pins 2 of our 3 budget blocks
+    c.on_read_posted("hold", "H", 0.0)
     pump(p, c, c.fetch("big", 0.0, 1.0), 0.0)
     t, got = 0.0, []
     while not got and t < 2.0:
         t += 0.01
-        got = reports(pump(p, c, c.poll(t), t))
+        got = [r for r in reports(pump(p, c, c.poll(t), t)) if r.mm_hash == "big"]
     (m,) = got
     assert (
         m.reason is MissReason.BUSY
@@ -133,6 +138,8 @@ def test_ack_timeout_and_late_grant_released():
     (done,) = msgs(out)
     assert isinstance(done, XferDone) and not done.ok
     p.on_frame("peer1", out[0].data, 2.3)
+    assert pstore.get("a").pins == 1 and p.active_grants == 0  # ended; the grace pin holds
+    p.poll(2.3 + p.config.grace_s)
     assert pstore.get("a").pins == 0
 
 
@@ -149,12 +156,12 @@ def test_read_deadline_quarantines_until_settled():
     assert m.reason is MissReason.TIMEOUT and "quarantined" in m.detail
     assert [x for x in msgs(out) if isinstance(x, XferDone)][0].ok is False
     # blocks stay reserved while the DMA may still land
-    assert c.store.get("a#1") is not None and c.reading() == [("a", "H")]
+    assert c.store.get(f"a#{c.session_id}.1") is not None and c.reading() == [("a", "H")]
     assert c.on_read_state("a", "proc", 30.0) == []
-    assert c.store.get("a#1") is not None
+    assert c.store.get(f"a#{c.session_id}.1") is not None
     out = c.poll(80.0)  # quarantine deadline: release exactly once, free the blocks
     assert out == [Release("H")]
-    assert c.store.get("a#1") is None and c.in_flight() == 0
+    assert c.store.get(f"a#{c.session_id}.1") is None and c.in_flight() == 0
     assert c.poll(200.0) == [] and c.on_read_state("a", "done", 201.0) == []
     c.store.check_invariants()
 
@@ -168,7 +175,7 @@ def test_quarantine_settles_early_when_plane_reports_over():
     c.on_read_posted("a", "H", 0.0)
     c.poll(1.0)
     assert c.on_read_state("a", "err", 2.0) == [Release("H")]
-    assert c.store.get("a#1") is None
+    assert c.store.get(f"a#{c.session_id}.1") is None
 
 
 def test_read_error_frees_blocks_and_tells_producer():
@@ -180,9 +187,11 @@ def test_read_error_frees_blocks_and_tells_producer():
     c.on_read_posted("a", "H", 0.1)
     out = c.on_read_state("a", "err", 0.2)
     assert Release("H") in out and reports(out)[0].reason is MissReason.INTERNAL
-    assert c.store.get("a#1") is None
+    assert c.store.get(f"a#{c.session_id}.1") is None
     for s in msgs(out):
         p.on_frame("peer1", encode(s), 0.3)
+    assert p.active_grants == 0 and pstore.get("a").pins == 1  # abandoned: grace pin
+    p.poll(0.3 + p.config.grace_s)
     assert pstore.get("a").pins == 0
 
 
@@ -211,6 +220,8 @@ def test_no_space_locally_returns_grant():
     assert m.reason is MissReason.NO_SPACE
     for s in msgs(out):
         p.on_frame("peer1", encode(s), 0.1)
+    assert p.active_grants == 0
+    p.poll(0.1 + p.config.grace_s)
     assert pstore.get("big").pins == 0
 
 
@@ -406,3 +417,117 @@ def test_one_busy_retry_per_ended_grant_not_a_herd():
     assert [m.mm_hash for m in reqs] == ["b"]  # the oldest only
     assert c.fetch_states()["c"] is FetchState.BACKOFF
     assert c.fetch_states()["d"] is FetchState.BACKOFF
+
+
+def test_entry_larger_than_the_whole_budget_is_a_terminal_refusal():
+    """Waiting can never help: one answer, not retries until the deadline (issue 13)."""
+    p, pstore = make_producer(budget_bytes=BLOCK)
+    put(pstore, "big", 2)
+    c = make_consumer()
+    connected(p, c)
+    (m,) = reports(pump(p, c, c.fetch("big", 0.0, 10.0), 0.0))
+    assert m.reason is MissReason.INTERNAL and "NACK_BAD_REQUEST" in m.detail
+    assert f"{2 * BLOCK} bytes" in m.detail and f"{BLOCK} bytes" in m.detail
+    assert c.in_flight() == 0 and pstore.get("big").pins == 0
+
+
+# -- issue 13: the validity window (a grant is used only while its lease is provably alive) ---------
+def _granted(lease_s=1.0, grace_s=0.5):
+    """A producer with entry "a" and a welcomed consumer; the XferReq for "a" sent at t=0 and
+    answered by the producer at t=0 (the ack not yet handled by the consumer)."""
+    p, pstore = make_producer(lease_s=lease_s, grace_s=grace_s)
+    put(pstore, "a", 2)
+    c = make_consumer()
+    connected(p, c)
+    (req,) = c.fetch("a", 0.0, 10.0)
+    (ack,) = p.on_frame("peer1", req.data, 0.0)
+    return p, pstore, c, ack
+
+
+def _reuse_blocks(p, pstore, now):
+    """The producer's lease runs out, its grace ends, and another entry takes a's blocks."""
+    old = pstore.get("a")
+    p.poll(now)
+    p.poll(now + p.config.grace_s)
+    assert pstore.get("a").pins == 0
+    pstore.discard("a")
+    new = put(pstore, "b", 2)
+    assert new.runs == old.runs  # the very same blocks now hold another entry
+
+
+def test_a_read_completing_after_the_window_is_never_reported_as_landed():
+    """Issue 13 point 1: the consumer stalls (SIGSTOP) after posting its READ; the lease expires
+    and the blocks are re-used; on resume the READ completes with the other entry's bytes. It
+    must end as a miss, never as Landed."""
+    p, pstore, c, ack = _granted()
+    (post,) = [x for x in bound(c, c.on_frame(ack.data, 0.01), 0.01) if isinstance(x, PostRead)]
+    c.on_read_posted("a", "H", 0.01)
+    _reuse_blocks(p, pstore, 1.0)
+    out = c.on_read_state("a", "done", 2.6)  # resumed: the node feeds the state before polling
+    (m,) = reports(out)
+    assert isinstance(m, Miss) and m.reason is MissReason.TIMEOUT and "validity window" in m.detail
+    assert not any(isinstance(r, Landed) for r in reports(out + c.poll(2.6) + c.poll(100.0)))
+    c.store.check_invariants()
+
+
+def test_an_ack_handled_after_the_window_is_not_used_and_the_request_is_sent_again():
+    p, pstore, c, ack = _granted()
+    _reuse_blocks(p, pstore, 1.0)
+    put(pstore, "a", 2)  # the producer holds "a" again, in other blocks
+    out = c.on_frame(ack.data, 2.6)  # the stale grant, handled late
+    assert not [x for x in out if isinstance(x, PostRead)]
+    done, again = msgs(out)
+    assert isinstance(done, XferDone) and not done.ok and again.mm_hash == "a"
+    (post,) = [x for x in pump(p, c, out, 2.6) if isinstance(x, PostRead)]
+    assert post.runs  # a fresh grant for the new blocks
+    c.on_read_posted("a", "H2", 2.6)
+    (landed,) = reports(c.on_read_state("a", "done", 2.7))
+    assert isinstance(landed, Landed)
+
+
+def test_an_ack_handled_after_the_window_near_the_deadline_is_a_miss():
+    p, pstore, c, ack = _granted()
+    (m,) = reports(c.on_frame(ack.data, 9.5))  # no time left for another round trip
+    assert m.reason is MissReason.TIMEOUT and "validity window" in m.detail
+
+
+@pytest.mark.parametrize("lease_s", [float("nan"), float("inf"), -1.0, 0.0])
+def test_nonsensical_lease_is_refused_not_clamped(lease_s):
+    """Issue 17 point 4: a NaN/negative lease used to be clamped to 0.1 s (a Renew every 17 ms)."""
+    p, pstore, c, ack = _granted()
+    a = decode(ack.data, versions=(1,))
+    forged = encode(msgspec.structs.replace(a, grant=msgspec.structs.replace(a.grant,
+                                                                               lease_s=lease_s)))
+    out = c.on_frame(forged, 0.01)
+    (m,) = reports(out)
+    assert m.reason is MissReason.INTERNAL and "lease_s" in m.detail
+    assert [type(x) for x in msgs(out)] == [XferDone] and c.in_flight() == 0
+
+
+def test_unsolicited_acks_are_not_reflected():
+    """Issue 17 point 4: only the late grant of a request we really sent gets an XferDone."""
+    p, pstore, c, ack = _granted()
+    a = decode(ack.data, versions=(1,))
+    for i in range(50):
+        forged = encode(msgspec.structs.replace(a, mm_hash=f"never-asked-{i}"))
+        assert c.on_frame(forged, 0.01) == []
+
+
+def test_landing_keys_do_not_collide_across_producers():
+    """Issue 17 point 2: two sessions of one consumer node share its store; a fetch of the same
+    mm_hash from each (and a landed result still held) must not collide."""
+    from ectransport.store import BlockStore
+
+    store = BlockStore(64, BLOCK)
+    outs = []
+    for conn in ("p1", "p2"):
+        p, pstore = make_producer()
+        put(pstore, "a", 2)
+        c = make_consumer(conn=conn)
+        c.store = store
+        connected(p, c)
+        (post,) = [x for x in pump(p, c, c.fetch("a", 0.0, 10.0), 0.0) if isinstance(x, PostRead)]
+        c.on_read_posted("a", "H", 0.0)
+        outs += reports(c.on_read_state("a", "done", 0.1))
+    assert all(isinstance(o, Landed) for o in outs)
+    assert outs[0].entry.mm_hash != outs[1].entry.mm_hash

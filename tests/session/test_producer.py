@@ -13,9 +13,10 @@ from ectransport.protocol import (
     compat_hash,
     encode,
 )
-from ectransport.session import notif_for
+from ectransport.session import ProducerConfig, ProducerSession, notif_for
+from ectransport.store import BlockStore
 
-from .helpers import BLOCK, COMPAT, make_producer, msgs, put
+from .helpers import BLOCK, COMPAT, describe, make_producer, msgs, put
 
 SID = "s" * 32
 
@@ -62,8 +63,14 @@ def test_grant_pins_only_granted_blocks_and_lease_expiry_unpins():
     assert store.get("a").pins == 1 and store.get("other").pins == 0
     p.poll(30.9)
     assert store.get("a").pins == 1
-    p.poll(31.0)  # lease 30 s from t=1
-    assert store.get("a").pins == 0 and p.active_grants == 0 and p.stats["expired"] == 1
+    p.poll(31.0)  # lease 30 s from t=1: the grant ends, its blocks stay pinned for the grace
+    assert store.get("a").pins == 1 and p.active_grants == 0 and p.stats["expired"] == 1
+    assert p.grace_pins == 1 and p.pinned_bytes() == 0  # the budget is free at once
+    p.check_invariants()
+    p.poll(31.0 + p.config.grace_s - 0.01)
+    assert store.get("a").pins == 1
+    p.poll(31.0 + p.config.grace_s)
+    assert store.get("a").pins == 0 and p.grace_pins == 0
     p.poll(100.0)
     assert store.get("a").pins == 0  # exactly once
     store.check_invariants()
@@ -174,8 +181,12 @@ def test_peer_down_releases_grants_at_once():
     ack_of(p.on_frame("peer1", req("a"), 0.0))
     ack_of(p.on_frame("peer1", req("b"), 0.0))
     p.on_peer_down("peer1", 1.0)
-    assert store.get("a").pins == 0 and store.get("b").pins == 0 and p.active_grants == 0
-    assert p.pinned_bytes() == 0
+    assert p.active_grants == 0 and p.pinned_bytes() == 0 and p.grace_pins == 2
+    # a consumer that missed the drop may use its grants until their lease deadline (30 s)
+    p.poll(30.0 + p.config.grace_s - 0.01)
+    assert store.get("a").pins == 1
+    p.poll(30.0 + p.config.grace_s)
+    assert store.get("a").pins == 0 and store.get("b").pins == 0
 
 
 def test_renew_extends_never_shortens():
@@ -195,6 +206,8 @@ def test_renew_extends_never_shortens():
     assert store.get("a").pins == 1  # a shorter extension did not shorten the lease
     p.poll(45.0 + 0.1 + 0.0)
     p.poll(46.0)
+    assert p.active_grants == 0 and p.stats["expired"] == 1
+    p.poll(46.0 + p.config.grace_s)
     assert store.get("a").pins == 0
 
 
@@ -214,3 +227,80 @@ def test_garbage_frames_get_nack_and_take_no_pin():
         out = p.on_frame("peer1", junk, 0.0)
         assert len(out) == 1
     assert store.get("a").pins == 0
+
+
+def test_a_completed_grant_unpins_at_once_an_abandoned_one_after_the_grace_period():
+    """ECTP §6.3: only a confirmed completion frees the blocks at once; XferDone(ok=False) means
+    the consumer gave up, perhaps with a READ still in flight."""
+    p, store = make_producer(grace_s=2.0)
+    put(store, "a", 1)
+    put(store, "b", 1)
+    welcomed(p)
+    ga = ack_of(p.on_frame("peer1", req("a"), 0.0)).grant
+    gb = ack_of(p.on_frame("peer1", req("b"), 0.0)).grant
+    p.on_frame("peer1", encode(XferDone(v=1, session_id=SID, mm_hash="a", grant_id=ga.grant_id,
+                                        ok=True)), 0.5)
+    p.on_frame("peer1", encode(XferDone(v=1, session_id=SID, mm_hash="b", grant_id=gb.grant_id,
+                                        ok=False)), 0.5)
+    assert store.get("a").pins == 0 and store.get("b").pins == 1
+    assert p.stats["completed"] == 1 and p.stats["abandoned"] == 1
+    p.check_invariants()
+    # the grace pin keeps b's blocks from being re-allocated: a full region cannot evict it
+    assert store.evictable_blocks == 1
+    p.poll(2.49)
+    assert store.get("b").pins == 1
+    p.poll(2.5)
+    assert store.get("b").pins == 0 and p.grace_pins == 0
+    p.check_invariants()
+    store.check_invariants()
+
+
+def test_oversized_grant_is_refused_at_issue_time_and_revoked():
+    """A plane that describes a grant larger than the wire limit: NACK, no pin, revoked."""
+    from ectransport.protocol.messages import MAX_GRANT_BYTES
+    from ectransport.session import Revoke
+
+    store = BlockStore(64, BLOCK)
+    p = ProducerSession(ProducerConfig(node_id="p", compat_hash=COMPAT), store,
+                        {"nixl": lambda runs, n: b"x" * (MAX_GRANT_BYTES + 1)})
+    put(store, "a", 2)
+    welcomed(p)
+    out = p.on_frame("peer1", req("a"), 0.0)
+    assert [type(c) for c in out][0] is Revoke
+    a = ack_of(out[1:])
+    assert a.status is Status.NACK_INTERNAL and "wire limit" in a.detail
+    assert store.get("a").pins == 0 and p.active_grants == 0
+
+
+def test_unreachable_planes_are_not_negotiated():
+    """Issue 13 item 5: the first common plane that can reach the consumer is chosen; none at
+    all is a NACK_INCOMPAT naming the reason, never a plane whose every fetch fails."""
+    store = BlockStore(64, BLOCK)
+    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, planes=("shm", "tcp"))
+    reach = {"shm": lambda loc: loc == b"here", "tcp": lambda loc: True}
+    p = ProducerSession(cfg, store, {"shm": describe, "tcp": describe},
+                        reachable=lambda plane, loc: reach[plane](loc),
+                        endpoint=lambda plane: f"ep-{plane}".encode())
+
+    def hello(sid, planes, localities):
+        return encode(Hello(v=1, session_id=sid, node_id="c", versions=[1], planes=planes,
+                            compat_hash=COMPAT, mem_kinds=["DRAM"], localities=localities))
+
+    (w,) = msgs(p.on_frame("near", hello("s1", ["shm", "tcp"], {"shm": b"here"}), 0.0))
+    assert w.status is Status.OK and w.plane == "shm" and w.endpoint == b"ep-shm"
+    (w,) = msgs(p.on_frame("far", hello("s2", ["shm", "tcp"], {"shm": b"elsewhere"}), 0.0))
+    assert w.status is Status.OK and w.plane == "tcp" and w.endpoint == b"ep-tcp"
+    (w,) = msgs(p.on_frame("far2", hello("s3", ["shm"], {}), 0.0))
+    assert w.status is Status.NACK_INCOMPAT and "reach" in w.detail
+
+
+def test_grants_of_revocable_planes_need_no_grace():
+    """A PUSH plane's revoke stops every access before it returns: its blocks unpin at once."""
+    store = BlockStore(64, BLOCK)
+    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, lease_s=30.0)
+    p = ProducerSession(cfg, store, {"nixl": describe}, revocable=lambda plane: True)
+    put(store, "a", 2)
+    welcomed(p)
+    ack_of(p.on_frame("peer1", req("a"), 0.0))
+    p.on_peer_down("peer1", 1.0)
+    assert store.get("a").pins == 0 and p.grace_pins == 0 and p.active_grants == 0

@@ -7,7 +7,10 @@ drives them through random interleavings on a fake clock that only moves forward
   out of order, drop them, duplicate them, or replay an old consumer frame to the producer;
 * the data plane is a dict of fake handles: a ``PostRead`` creates one (or fails to post), rules
   complete it (``done``/``err``), feed its state to the consumer, and send the producer its
-  completion notification zero, one or two times; a revoked grant can no longer complete ``done``;
+  completion notification zero, one or two times; like NIXL on one host, a plane cannot refuse a
+  revoked grant: its READ may still complete ``done`` — and if the producer no longer pins the
+  entry's blocks at that moment, the bytes may be another entry's (the handle is *stale*, and no
+  ``Landed`` may ever come from it: the validity-window rule of issue 13);
 * connections die (the producer notices at once, later or never) and come back (``on_up``), the
   producer restarts over a fresh store, its plane sometimes fails to describe a grant, its cache
   gains, loses and readies entries, and garbage bytes arrive from consumers and from a stranger.
@@ -37,6 +40,7 @@ from hypothesis.stateful import (
 )
 
 from ectransport.session import (
+    Bind,
     ConsumerConfig,
     ConsumerSession,
     FetchState,
@@ -56,6 +60,7 @@ from ectransport.store import AllocFailed, BlockStore
 from .helpers import BLOCK, COMPAT
 
 LEASE_S = 5.0
+GRACE_S = 1.0
 BUDGET_BLOCKS = 10
 PRODUCER_BLOCKS = 64
 CONSUMER_BLOCKS = 16
@@ -105,6 +110,7 @@ class Handle:
     notif: bytes
     state: str = "proc"  # proc | done | err
     released: bool = False
+    stale: bool = False  # completed after the producer stopped pinning the granted blocks
 
 
 @dataclass
@@ -119,6 +125,7 @@ class GrantInfo:
     incarnation: int
     mm_hash: str
     nbytes: int
+    entry_id: int = -1
 
 
 @dataclass
@@ -158,6 +165,7 @@ class Model(RuleBasedStateMachine):
         self.incarnation = 0
         self.plane_broken = False
         self.rng = random.Random(0)
+        self.feeding: Handle | None = None
 
     # -- wiring --------------------------------------------------------------------------------
     def _new_producer(self, seed: int) -> None:
@@ -178,7 +186,7 @@ class Model(RuleBasedStateMachine):
             if ready:
                 self.pstore.mark_ready(name)
         cfg = ProducerConfig(node_id=f"p{inc}", compat_hash=COMPAT, lease_s=LEASE_S,
-                             budget_bytes=BUDGET_BLOCKS * BLOCK)
+                             budget_bytes=BUDGET_BLOCKS * BLOCK, grace_s=GRACE_S)
         self.producer = ProducerSession(cfg, self.pstore, {"nixl": describe},
                                         rng=random.Random(seed * 1000 + inc))
 
@@ -193,7 +201,8 @@ class Model(RuleBasedStateMachine):
 
     def _from_producer(self, cmds) -> None:
         for g in self.producer._grants.values():
-            self.grants.setdefault(g.plane_grant, GrantInfo(self.incarnation, g.key[1], g.nbytes))
+            self.grants.setdefault(g.plane_grant,
+                                   GrantInfo(self.incarnation, g.key[1], g.nbytes, g.entry_id))
         for cmd in cmds:
             match cmd:
                 case Send(peer=peer, data=data):
@@ -234,6 +243,8 @@ class Model(RuleBasedStateMachine):
                     h.released = True
                 case Report(outcome=outcome):
                     self._report(c, outcome)
+                case Bind():  # the node's plane accepts the producer's endpoint
+                    self._from_consumer(c, s.on_bound(None, self.now))
                 case _:
                     raise AssertionError(f"unexpected consumer command {cmd!r}")
 
@@ -246,6 +257,9 @@ class Model(RuleBasedStateMachine):
 
     def _check_outcome(self, c: Conn, outcome) -> None:
         if isinstance(outcome, Landed):
+            assert not (self.feeding is not None and self.feeding.stale), (
+                f"wrong bytes reported as success: {outcome.mm_hash} landed from a READ that "
+                "completed after the producer stopped pinning its blocks")
             e = c.session.store.get(outcome.entry.mm_hash)
             assert e is outcome.entry and e.ready
             assert outcome.entry.mm_hash.split("#")[0] == outcome.mm_hash
@@ -368,7 +382,13 @@ class Model(RuleBasedStateMachine):
         producer's notification is sent 0, 1 or 2 times."""
         live = self._live_handles("proc")
         h = self.handles[live[k % len(live)]]
-        h.state = "done" if ok and h.plane_grant not in self.revoked else "err"
+        info = self.grants[h.plane_grant]
+        if ok and info.incarnation == self.incarnation:  # a restarted producer's memory is gone
+            e = self.pstore.get(info.mm_hash)
+            h.stale = e is None or e.entry_id != info.entry_id or e.pins == 0
+            h.state = "done"
+        else:
+            h.state = "err"
         if h.state == "done":
             self.notifs += [h.notif] * notifs
         self._count(f"complete_{h.state}")
@@ -379,9 +399,16 @@ class Model(RuleBasedStateMachine):
         """The node polls a transfer's state and feeds it to its consumer."""
         live = self._live_handles()
         h = self.handles[live[k % len(live)]]
-        c = self.conns[h.conn]
         self._count("read_state")
-        self._from_consumer(c, c.session.on_read_state(h.mm_hash, h.state, self.now))
+        self._feed(self.conns[h.conn], h)
+
+    def _feed(self, c: Conn, h: Handle) -> None:
+        """Tell a consumer a transfer's state (the node's poll), remembering which handle it is."""
+        self.feeding = h
+        try:
+            self._from_consumer(c, c.session.on_read_state(h.mm_hash, h.state, self.now))
+        finally:
+            self.feeding = None
 
     @precondition(lambda self: self.notifs)
     @rule(k=st.one_of(st.just(0), st.integers(0, 64)))
@@ -454,9 +481,8 @@ class Model(RuleBasedStateMachine):
             self.pump(1)
         if feed_reads:
             for c in self.conns:
-                for mm, h in c.session.reading():
-                    self._from_consumer(c, c.session.on_read_state(mm, self.handles[h].state,
-                                                                   self.now))
+                for _, h in c.session.reading():
+                    self._feed(c, self.handles[h])
         self.now += dt
         self._from_producer(self.producer.poll(self.now))
         for c in self.conns:
@@ -465,6 +491,18 @@ class Model(RuleBasedStateMachine):
         self.last_poll = self.now
         self._count("advance")
 
+    @precondition(lambda self: self._live_handles("proc"))
+    @rule(dt=st.floats(LEASE_S, 2 * LEASE_S))
+    def consumers_stalled(self, dt):
+        """Every consumer process is stopped (SIGSTOP, a stalled loop) for ``dt`` seconds while the
+        producer runs on: its leases expire, grace periods end, blocks get re-used. On resume a
+        consumer's node handles what queued — acks, READs that complete now — in its own order
+        (frames and transfer states before its deadlines), which the following rules model."""
+        for step in (dt, GRACE_S):  # the producer polls more than once meanwhile
+            self.now += step
+            self._from_producer(self.producer.poll(self.now))
+        self._count("stall")
+
     # -- invariants ------------------------------------------------------------------------------
     @invariant()
     def producer_pins_match_grants(self):
@@ -472,8 +510,11 @@ class Model(RuleBasedStateMachine):
             return
         p, store = self.producer, self.pstore
         store.check_invariants()
+        p.check_invariants()
         grants = p._grants
         per_entry: dict[int, int] = {}
+        for _, _, entry_id in p._grace:  # blocks of ended grants, held for the grace period
+            per_entry[entry_id] = per_entry.get(entry_id, 0) + 1
         for key, g in grants.items():
             assert g.key == key
             e = store.get(key[1])
@@ -582,14 +623,15 @@ def _run_broken(monkeypatch, target, name, replacement, max_examples=60):
 def test_machine_catches_a_release_that_skips_the_unpin(monkeypatch):
     orig = ProducerSession._release
 
-    def release_without_unpin(self, key, why):
+    def release_without_unpin(self, key, why, now):
         self.store.unpin = lambda *a: None
         try:
-            return orig(self, key, why)
+            return orig(self, key, why, now)
         finally:
             del self.store.unpin
 
-    err = _run_broken(monkeypatch, ProducerSession, "_release", release_without_unpin)
+    err = _run_broken(monkeypatch, ProducerSession, "_release", release_without_unpin,
+                      max_examples=400)
     assert isinstance(err, AssertionError)
 
 

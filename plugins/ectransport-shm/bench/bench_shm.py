@@ -30,8 +30,9 @@ def serve(nblocks: int, chunk_kib: int) -> None:
     region.buf[:] = np.arange(region.nbytes, dtype=np.uint64).astype(np.uint8)
     shm = ShmPlane(node_id="bench-p", region=region, chunk_bytes=chunk_kib << 10)
     planes = [shm, TcpPlane(node_id="bench-p", region=region)]
-    for p in planes:
-        print(p.describe([Run(0, nblocks)], nblocks * BLOCK_BYTES).hex(), flush=True)
+    for p in planes:  # one line per plane: grant and endpoint declaration (plugin API 2)
+        grant = p.describe([Run(0, nblocks)], nblocks * BLOCK_BYTES)
+        print(grant.hex(), p.endpoint().hex() or "-", flush=True)
     sys.stdin.readline()
     for p in planes:
         p.close()
@@ -57,11 +58,14 @@ def main() -> None:
                               "--chunk-kib", str(a.chunk_kib)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        grants = {"shm": bytes.fromhex(child.stdout.readline()),
-                  "tcp": bytes.fromhex(child.stdout.readline())}
+        declared = {name: child.stdout.readline().split() for name in ("shm", "tcp")}
+        grants = {name: bytes.fromhex(g) for name, (g, _) in declared.items()}
         region = HostRegion(nblocks, BLOCK_BYTES)
         planes = {"shm": ShmPlane(node_id="bench-c", region=region),
                   "tcp": TcpPlane(node_id="bench-c", region=region)}
+        bindings = {name: planes[name].bind_peer(bytes.fromhex(e.strip("-")), peer="bench:0",
+                                                 host="127.0.0.1", identity="")
+                    for name, (_, e) in declared.items()}
         src = np.ones(nbytes, dtype=np.uint8)
         times: dict[str, list[float]] = {"shm": [], "tcp": [], "memcpy": []}
         runs = [Run(0, nblocks)]
@@ -73,7 +77,7 @@ def main() -> None:
                     np.copyto(region.buf[:nbytes], src)
                 else:
                     p = planes[name]
-                    h = p.start(None, grants[name], runs, nbytes, b"")
+                    h = p.start(bindings[name], grants[name], runs, nbytes, b"")
                     while (s := p.check(h)).value == "proc":
                         time.sleep(0.0002)
                     p.release(h)

@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 
 _log = logging.getLogger(__name__)
@@ -132,9 +133,12 @@ def map_readonly(fd: int, nbytes: int) -> mmap.mmap:
     """Map a peer's segment descriptor read-only (pre-faulted); the caller closes ``fd``.
 
     Raises:
-        OSError / ValueError: ``fd`` is not a file of at least ``nbytes`` bytes.
+        OSError / ValueError: ``fd`` is not a regular file of at least ``nbytes`` bytes.
     """
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"the segment descriptor is not a regular file (mode {st.st_mode:o})")
+    size = st.st_size
     if size < nbytes:
         raise ValueError(f"segment has {size} bytes, the peer announced {nbytes}")
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

@@ -22,6 +22,8 @@ class Child:
                                      stdout=subprocess.PIPE, text=True)
 
     def readline(self, timeout_s: float = 30.0) -> str:
+        """One line; the child must print each answer as one line and wait for the next command
+        (``select`` sees the pipe, not what ``readline`` already buffered)."""
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
             raise TimeoutError(f"child {self.proc.pid} printed nothing in {timeout_s} s")

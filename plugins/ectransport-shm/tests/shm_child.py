@@ -3,10 +3,12 @@
 Modes (argv[1]):
   hold-segment            create a named segment (as if killed before unlinking it), print its
                           path, then sleep until killed.
-  producer SEED NBLOCKS   run a ShmPlane producer over a HostRegion, write the conformance
-                          pattern into its first NBLOCKS blocks, print the hex grant, then serve:
-                          stdin lines "notifs" (print the notifications as hex, comma-joined) and
-                          "quit".
+  locality                print this process's shm locality token (hex) and exit.
+  producer SEED NBLOCKS   run a ShmPlane producer (identity CHILD_IDENTITY) over a HostRegion,
+                          write the conformance pattern into its first NBLOCKS blocks, print the
+                          hex grant and the hex endpoint declaration on one line; then
+                          serve: stdin lines "notifs" (print the notifications as hex,
+                          comma-joined) and "quit".
 Options: --small-ring (256 KiB ring of 64 KiB chunks, so large transfers pace on acks).
 """
 
@@ -16,6 +18,7 @@ import sys
 import time
 
 BLOCK_BYTES = 64 * 1024
+CHILD_IDENTITY = "c0ffee0000000001"
 
 
 def main() -> None:
@@ -27,6 +30,11 @@ def main() -> None:
         print(seg.path, flush=True)
         time.sleep(120)
         return
+    if mode == "locality":
+        from ectransport_shm.locality import current_locality
+
+        print(current_locality().hex(), flush=True)
+        return
     from ectransport.store import HostRegion, Run
     from ectransport.testing.conformance import pattern
 
@@ -37,8 +45,9 @@ def main() -> None:
         else {}
     region = HostRegion(nblocks, BLOCK_BYTES)
     region.write([Run(0, nblocks)], pattern(nblocks * BLOCK_BYTES, seed))
-    plane = ShmPlane(node_id="child-producer", region=region, **opts)
-    print(plane.describe([Run(0, nblocks)], nblocks * BLOCK_BYTES).hex(), flush=True)
+    plane = ShmPlane(node_id="child-producer", region=region, identity=CHILD_IDENTITY, **opts)
+    grant = plane.describe([Run(0, nblocks)], nblocks * BLOCK_BYTES)
+    print(grant.hex(), plane.endpoint().hex(), flush=True)  # one line: see conftest.Child
     deadline = time.monotonic() + 120
     for line in sys.stdin:
         cmd = line.strip()
