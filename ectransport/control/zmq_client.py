@@ -320,12 +320,14 @@ class ZmqControlClient(ControlClient):
         if c.tcp_seen:
             if c.no_detail and not self.insecure:
                 reason = self._no_detail_reason(c)
-            elif self.insecure:
-                reason = f"no handshake within {x}: {self._mismatch_reason()}"
             else:
+                # TCP connected but the peer said nothing at all: a wrong key, an unknown client
+                # key or a plain/CURVE mismatch each end the handshake with an event (above);
+                # silence means the peer never completed its ZeroMQ greeting
                 reason = (
-                    f'no CURVE handshake within {x}: wrong producer key ("producer key mismatch"),'
-                    " unknown client key, or plain/CURVE mismatch"
+                    f"no handshake from the producer at {c.key} within {x}: it accepted the TCP "
+                    "connection but never answered the ZeroMQ greeting (a stopped or overloaded "
+                    "process, or not an ectransport producer)"
                 )
             self._fail(c, reason, events)
         else:

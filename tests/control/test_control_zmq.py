@@ -364,3 +364,29 @@ def test_wake_interrupts_poll_from_another_thread(server_keys, client_keys, side
         plane.poll(10.0)
         assert time.monotonic() - t0 < 3.0
         t.join()
+
+
+def test_a_producer_that_never_greets_is_not_called_a_wrong_key():
+    """Issue 17 point 4: a peer that accepts TCP and then stays silent (a stalled producer) is
+    reported as "no handshake from the producer", not as a key mismatch."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # accepts (in the kernel backlog) and never says a word
+    port = listener.getsockname()[1]
+    pk, ck = zmq.curve_keypair(), zmq.curve_keypair()
+    client = ZmqControlClient(secret_key=ck[1].decode(), public_key=ck[0].decode(),
+                              handshake_timeout_s=0.5)
+    try:
+        client.connect("127.0.0.1", port, pk[0].decode())
+        failed = None
+        end = time.monotonic() + 10.0
+        while failed is None and time.monotonic() < end:
+            for ev in client.poll(0.05):
+                if isinstance(ev, AuthFailed):
+                    failed = ev
+        assert failed is not None, "no AuthFailed within 10 s"
+        assert "no handshake from the producer" in failed.reason
+        assert "mismatch" not in failed.reason
+    finally:
+        client.close()
+        listener.close()
