@@ -84,6 +84,10 @@ from ectransport.store import AllocFailed, BlockStore, Entry
 
 log = logging.getLogger("ectransport.session.consumer")
 
+#: Longest lease a consumer accepts in a grant, seconds (one day). A longer one is nonsensical
+#: (and would make the validity window, and the renewals computed from it, unbounded).
+MAX_LEASE_S = 86400.0
+
 
 class FetchState(enum.Enum):
     QUEUED = "queued"  #: waiting for the connection to be welcomed
@@ -523,6 +527,7 @@ class ConsumerSession:
                 )
             )
         self._welcome = msg
+        self._hello_deadline = float("inf")  # answered; the node binds at once
         return [Bind(msg.plane, msg.endpoint)]
 
     def on_bound(self, binding: Any, now: float) -> list[Command]:
@@ -744,6 +749,6 @@ def _grant_problem(g: Any, plane: str | None, store: BlockStore) -> str:
     if g.block_bytes != store.block_bytes or g.num_blocks != store.blocks_for(g.entry_bytes):
         return (f"grant of {g.num_blocks} blocks of {g.block_bytes} bytes for {g.entry_bytes} "
                 f"bytes does not match the local layout ({store.block_bytes}-byte blocks)")
-    if not (math.isfinite(g.lease_s) and g.lease_s > 0):
-        return f"lease_s must be a positive number of seconds, got {g.lease_s!r}"
+    if not (math.isfinite(g.lease_s) and 0 < g.lease_s <= MAX_LEASE_S):
+        return f"lease_s must be a number of seconds in (0, {MAX_LEASE_S:g}], got {g.lease_s!r}"
     return ""

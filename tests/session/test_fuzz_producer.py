@@ -1,16 +1,24 @@
 """Fuzzing ``ProducerSession.on_frame`` (decode and dispatch) with random and mutated frames.
 
-A seeded ``random.Random`` generates the bulk (≥ 100,000 frames; hypothesis would be far too slow
-for that many) from several peers: mutations of valid frames (bit flips, truncation, splicing two
+A seeded ``random.Random`` generates the bulk (hypothesis would be far too slow for that many) from
+several peers: mutations of valid frames (bit flips, truncation, splicing two
 frames, maps with the right keys and wrong types, huge lists and strings) plus pure random bytes. A
 smaller hypothesis test covers structured maps. Checked throughout: no exception escapes, every
 answer is a ``Send``/``Revoke``, no pin is ever taken for a peer that never completed a valid Hello,
 the store's invariants hold; afterwards a fresh, well-behaved peer still gets an OK grant.
+
+The frame count and the seed come from the environment, so the same test runs short in CI and long
+by hand (see docs/security.md, "Fuzzing the sessions")::
+
+    ECT_FUZZ_FRAMES=1000000 ECT_FUZZ_SEED=7 python -m pytest tests/session/test_fuzz_producer.py -q
+
+``ECT_FUZZ_FRAMES`` defaults to :data:`DEFAULT_FRAMES`; ``ECT_FUZZ_SEED`` (any integer) to 1.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 
@@ -24,7 +32,9 @@ from ectransport.session import ProducerSession, Revoke, Send
 
 from .helpers import BLOCK, COMPAT, make_consumer, make_producer, put
 
-N_FRAMES = 100_000
+#: Frames per fuzz test when ``ECT_FUZZ_FRAMES`` is unset: what CI affords on a 2-core host.
+DEFAULT_FRAMES = 100_000
+DEFAULT_SEED = 1
 ENC = msgspec.msgpack.encode
 
 HELLO_SIDS = {"h0": "hello0", "h1": "hello1"}  # peers that say a proper Hello first
@@ -39,6 +49,30 @@ def _quiet_session_logs():
     log.setLevel(logging.CRITICAL)
     yield
     log.setLevel(level)
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    """Integer setting ``name`` from the environment (``default`` if unset or empty)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def fuzz_frames() -> int:
+    """``ECT_FUZZ_FRAMES``: frames per fuzz test (≥ 1)."""
+    return env_int("ECT_FUZZ_FRAMES", DEFAULT_FRAMES, minimum=1)
+
+
+def fuzz_seed() -> int:
+    """``ECT_FUZZ_SEED``: seed of the fuzz generator (any integer)."""
+    return env_int("ECT_FUZZ_SEED", DEFAULT_SEED)
 
 
 def base_frames(sid: str) -> list[dict]:
@@ -66,6 +100,22 @@ HUGE = [
 ]
 
 
+def random_key(rng: random.Random):
+    """A random *hashable* msgpack map key: any scalar (a list or map cannot be a dict key)."""
+    r = rng.randrange(8)
+    if r == 0:
+        return rng.randrange(-(2**63), 2**64)
+    if r == 1:
+        return rng.choice((0, -1, 2**64 - 1, float("nan"), float("inf"), -0.0, 1.5))
+    if r == 2:
+        return rng.randbytes(rng.randrange(0, 8))
+    if r == 3:
+        return rng.choice((None, True, False))
+    if r == 4:
+        return "".join(chr(rng.randrange(0x20, 0x2FF)) for _ in range(rng.randrange(0, 12)))
+    return rng.choice(("k", "v", "session_id", "mm_hash", "grant", "status", "", "s" * 300))
+
+
 def random_value(rng: random.Random, depth: int = 0):
     r = rng.randrange(14 if depth < 3 else 9)
     if r == 0:
@@ -89,7 +139,7 @@ def random_value(rng: random.Random, depth: int = 0):
     if r in (9, 10):
         return [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
     if r == 11:
-        return {(random_value(rng, 3) if rng.random() < 0.2 else f"f{i}"):
+        return {(random_key(rng) if rng.random() < 0.2 else f"f{i}"):
                 random_value(rng, depth + 1) for i in range(rng.randrange(0, 4))}
     return rng.choice(base_frames("hello0"))  # a whole frame as a value
 
@@ -134,13 +184,20 @@ def mutate(rng: random.Random, frames: list[dict], encoded: list[bytes]) -> byte
 
 
 def check(p: ProducerSession, helloed: set) -> None:
+    """Store and session invariants; every pin belongs to a live grant or to a grace period (a
+    grant that ended unconfirmed keeps its pin for ``grace_s``), never to a peer without Hello."""
     p.store.check_invariants()
+    session_check = getattr(p, "check_invariants", None)
+    if session_check is not None:
+        session_check()  # each grant and grace pin holds a pin of its live entry
+    grace_pins = getattr(p, "grace_pins", 0)  # a property
     per_entry: dict[int, int] = {}
     for g in p._grants.values():
         assert g.peer in helloed, f"pin taken for {g.peer!r}, which never completed a Hello"
         per_entry[g.entry_id] = per_entry.get(g.entry_id, 0) + 1
     for e in p.store.entries():
-        assert e.pins == per_entry.get(e.entry_id, 0)
+        assert e.pins >= per_entry.get(e.entry_id, 0), e
+    assert sum(e.pins for e in p.store.entries()) == len(p._grants) + grace_pins
     assert all(v <= p.budget_bytes for v in p._pinned_by.values())
 
 
@@ -181,8 +238,8 @@ def make_fuzz_producer():
     return p
 
 
-@pytest.mark.parametrize("seed", [1])
-def test_random_and_mutated_frames(seed):
+def test_random_and_mutated_frames():
+    n_frames, seed = fuzz_frames(), fuzz_seed()
     rng = random.Random(seed)
     p = make_fuzz_producer()
     helloed: set = set()
@@ -194,25 +251,35 @@ def test_random_and_mutated_frames(seed):
     assert helloed == set(HELLO_SIDS)
     peers = [*HELLO_SIDS, *STRANGERS, *NEVER]
     t0 = time.perf_counter()
-    for i in range(N_FRAMES):
-        peer = peers[i % len(peers)] if rng.random() < 0.7 else rng.choice(peers)
-        data = mutate(rng, frames, encoded)
-        if peer in NEVER and is_valid_hello(data):
-            continue
-        feed(p, peer, data, now, f"key-{peer}", helloed)
-        if i % 997 == 0:
-            check(p, helloed)
-            now += rng.random() * 2.0
-            p.poll(now)
-            if rng.random() < 0.05:  # a connection drops now and then
-                p.on_peer_down(rng.choice(peers), now)
+    i, event = 0, "start"
+    try:
+        for i in range(n_frames):
+            peer = peers[i % len(peers)] if rng.random() < 0.7 else rng.choice(peers)
+            data = mutate(rng, frames, encoded)
+            if peer in NEVER and is_valid_hello(data):
+                continue
+            event = f"on_frame({peer!r}, {data[:512]!r}, now={now!r})"
+            feed(p, peer, data, now, f"key-{peer}", helloed)
+            if i % 997 == 0:
+                event = f"check / poll after frame {i}"
+                check(p, helloed)
+                now += rng.random() * 2.0
+                assert isinstance(p.poll(now), list)
+                if rng.random() < 0.05:  # a connection drops now and then
+                    down = rng.choice(peers)
+                    event = f"on_peer_down({down!r}, now={now!r})"
+                    assert isinstance(p.on_peer_down(down, now), list)
+    except Exception as e:
+        pytest.fail(f"ECT_FUZZ_SEED={seed}, frame {i}, at {event}: {type(e).__name__}: {e}",
+                    pytrace=False)
     elapsed = time.perf_counter() - t0
     check(p, helloed)
     assert not helloed & set(NEVER)
-    assert p.stats["bad_frames"] > N_FRAMES // 2  # the fuzz mostly hit the decoder's error paths
+    if n_frames >= 1000:  # the fuzz mostly hit the decoder's error paths
+        assert p.stats["bad_frames"] > n_frames // 2
     fresh_peer_gets_a_grant(p, now)
     check(p, helloed | {"fresh"})
-    print(f"{N_FRAMES} frames in {elapsed:.1f} s; grants {p.stats['grants']}, "
+    print(f"seed {seed}: {n_frames} frames in {elapsed:.1f} s; grants {p.stats['grants']}, "
           f"helloed {sorted(map(str, helloed))}, nacks { {s.name: n for s, n in p.nacks.items()} }")
 
 

@@ -1,0 +1,80 @@
+"""A ConsumerNode in its own OS process that stops itself (SIGSTOP) at a chosen point of a fetch,
+for the stale-grant tests of issue 13.
+
+    python -m tests.node._stalling_consumer HOST PORT MM_HASH PLANE STOP_AT [SERVER_KEY]
+
+``STOP_AT`` is ``ack`` (an OK XferAck arrived; the node already read the clock for it, so the
+session is told the pre-stop time — the worst case) or ``posted`` (the data-plane transfer was
+posted but not yet seen complete). The process prints ``{"stopped": ...}`` and stops itself; the
+test resumes it with SIGCONT. It then prints one JSON line with the outcome: ``ok``, ``sha256`` of
+the bytes (if fetched), ``reason`` and ``detail`` (if missed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+
+def _stop(where: str) -> None:
+    print(json.dumps({"stopped": where}), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def main(argv: list[str]) -> int:
+    host, port, mm_hash, plane, stop_at = argv[:5]
+    server_key = argv[5] if len(argv) > 5 else None
+    from ectransport.data.registry import load_plane
+    from ectransport.node import ConsumerNode, Layout, ProducerAddress, Security
+    from ectransport.protocol import Status
+    from ectransport.session import ConsumerSession
+
+    stopped = []
+    if stop_at == "ack":
+        orig_ack = ConsumerSession._on_ack
+
+        def on_ack(self, msg, now):
+            if msg.status is Status.OK and not stopped:
+                stopped.append(1)
+                _stop("ack")
+            return orig_ack(self, msg, now)  # ``now`` was read before the stop
+
+        ConsumerSession._on_ack = on_ack
+    else:
+        cls = load_plane(plane)
+        orig_start = cls.start
+
+        def start(self, *args, **kw):
+            handle = orig_start(self, *args, **kw)
+            if not stopped:
+                stopped.append(1)
+                _stop("posted")
+            return handle
+
+        cls.start = start
+    if server_key:
+        import zmq
+
+        pub, sec = zmq.curve_keypair()
+        security = Security(public_key=pub.decode(), secret_key=sec.decode())
+    else:
+        security = Security(insecure=True)
+    node = ConsumerNode(layout=Layout(hidden=256, dtype="bfloat16"), region_bytes=4 << 20,
+                        security=security, planes=(plane,))
+    try:
+        out = node.fetch(ProducerAddress(host, int(port), server_key), mm_hash, timeout_s=30.0)
+        if out.ok:
+            res = {"ok": True, "sha256": hashlib.sha256(out.data.tobytes()).hexdigest()}
+        else:
+            res = {"ok": False, "reason": out.reason.value, "detail": out.detail}
+        print(json.dumps(res), flush=True)
+    finally:
+        node.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
