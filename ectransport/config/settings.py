@@ -68,6 +68,8 @@ class ProducerSettings(_Section):
     lease_s: doc(float, "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1) = 30.0
     budget_bytes: doc(PosInt | None, "most bytes one consumer may have pinned, bytes; unset = a "
                                      "quarter of the region") = None
+    grace_s: doc(float, "blocks of a grant that ended unconfirmed stay pinned this long more "
+                        "(READ planes), s", ge=0) = 5.0
     images: doc(str | None, "path: images `serve` encodes at start-up; unset = bundled ones") = None
 
 
@@ -140,6 +142,9 @@ class UcxPlaneSettings(_Section):
 class NixlPlaneSettings(_Section):
     num_threads: doc(NonNegInt, "NIXL UCX backend worker threads, 0 = NIXL's default") = 0
     prog_thread: doc(bool, "NIXL progress thread") = True
+    grant_scope: doc(Literal["grant", "region"],
+                     "what a grant exposes: a registration of only its blocks, or the whole "
+                     "region (vLLM's behaviour)") = "grant"
 
 
 class PlanesSettings(_Section):
@@ -203,7 +208,8 @@ class Settings(_Section):
         return {"region_bytes": p.region_bytes, "host": p.host, "port": p.port,
                 "advertise_host": p.advertise_host,
                 "planes": tuple(self.node.planes), "lease_s": p.lease_s,
-                "budget_bytes": p.budget_bytes, "node_id": self.node.node_id,
+                "budget_bytes": p.budget_bytes, "grace_s": p.grace_s,
+                "node_id": self.node.node_id,
                 "plane_options": self.plane_options(),
                 "control_options": msgspec.structs.asdict(self.control.server)}
 
