@@ -26,10 +26,11 @@ def _benchmarks_dir() -> Path:
 
 @cli.command()
 @click.option("--quick", "mode", flag_value="quick", default=True,
-              help="Subset in < 3 min: 1 MiB and 8.8 MiB, nixl+tcp, CURVE on (default).")
+              help="Subset in < 3 min: 1 MiB and 8.8 MiB, nixl+tcp, CURVE on, nixl grant vs "
+                   "region scope (default).")
 @click.option("--full", "mode", flag_value="full",
-              help="Every size, plane, CURVE on/off, 1/4/16 in flight, 1/2/8 consumers; writes "
-                   "JSON, a PNG and docs/performance.md.")
+              help="Every size, plane, CURVE on/off, 1/4/16 in flight, 1/2/8 consumers, nixl "
+                   "grant vs region scope; writes JSON, a PNG and docs/performance.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Directory for results.json and performance.png (full default: "
                    "benchmarks/results; quick: nothing written unless given).")
@@ -39,7 +40,9 @@ def bench(mode: str, out: Path | None, no_docs: bool) -> None:
     """Measure ectransport against the raw data planes (NIXL READ, ucxx, TCP sockets), the
     single-core memcpy limit, vLLM's safetensors save/load path and local recompute, in the same
     run, interleaved, and print the ratio table (ectransport/raw, ectransport/memcpy,
-    baseline/ectransport per size). Producer and consumer run as two processes."""
+    baseline/ectransport per size), plus the NIXL plane's grant_scope "grant" vs "region" (fetch
+    latency A/B and the per-grant cost on each side). Producer and consumer run as two
+    processes."""
     import importlib.util
 
     d = _benchmarks_dir()

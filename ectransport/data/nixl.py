@@ -64,8 +64,10 @@ _MEM_KINDS = ("DRAM", "VRAM")
 _OPTIONS = {"num_threads", "prog_thread", "progress_delay_us", "grant_scope"}
 _SCOPES = ("grant", "region")
 #: Remote memory sections a consumer keeps loaded per producer agent before it drops the agent and
-#: reloads it from the declaration (each scoped grant adds one section, ~270 bytes, to NIXL's view
-#: of that agent; NIXL has no call to remove one).
+#: reloads it from the declaration, as soon as no READ of that agent is in flight (each scoped
+#: grant adds one section, ~270 bytes, to NIXL's view of that agent; NIXL has no call to remove
+#: one). Past twice this many (READs kept it busy), new grants of that agent are refused — a miss
+#: for those fetches — until its READs drain and the reset happens.
 MAX_REMOTE_SECTIONS = 4096
 _MD_PREFIX = b"nixlSerDes|Agent"
 #: Default pause of NIXL's progress thread between passes, microseconds. NIXL's Python wrapper
@@ -315,6 +317,7 @@ class NixlPlane(DataTransport):
         self._stuck: list[Any] = []  # xfer handles NIXL refused to release (still in flight)
         self._peers: dict[str, bytes] = {}  # remote agent name -> metadata it was loaded with
         self._sections: dict[str, int] = {}  # remote agent -> scoped sections loaded since
+        self._loaded_md: dict[str, set[bytes]] = {}  # remote agent -> grant metadata loaded
         self._dirty: set[str] = set()  # remote agents to drop once no READ of theirs is in flight
         self._owners: dict[str, tuple[str, int]] = {}  # remote agent -> (identity, bindings)
         self._exposed: dict[tuple[tuple[int, int], ...], list[Any]] = {}  # spans -> [reg, md, n]
@@ -446,12 +449,15 @@ class NixlPlane(DataTransport):
         rec = self._exposed.get(key)
         if rec is None:
             dev = self._dev_id
+            reg = None
             try:
                 reg = self._agent.register_memory([(a, n, dev, "") for a, n in key], self._mem_kind)
                 md = self._agent.get_partial_agent_metadata(
                     self._agent.get_reg_descs([(a, n, dev, "") for a, n in key], self._mem_kind),
                     True, ["UCX"])  # with connection info: an unbound consumer can load it too
             except Exception as exc:
+                if reg is not None:
+                    _quietly("deregister of a failed grant", self._agent.deregister_memory, reg)
                 raise DataPlaneError(f"NIXL could not register {len(key)} granted spans: {exc}") \
                     from exc
             rec = self._exposed[key] = [reg, md, 0]
@@ -680,11 +686,16 @@ class NixlPlane(DataTransport):
         agent = ep.agent
         if agent in self._dirty and not self._busy(agent):
             self._remove_peer_locked(agent)
-        if self._sections.get(agent, 0) >= MAX_REMOTE_SECTIONS and not self._busy(agent):
-            self._remove_peer_locked(agent)
+        if self._sections.get(agent, 0) >= MAX_REMOTE_SECTIONS:
+            if not self._busy(agent):
+                self._remove_peer_locked(agent)
+            elif self._sections[agent] >= 2 * MAX_REMOTE_SECTIONS:
+                raise DataPlaneError(
+                    f"{self._sections[agent]} NIXL sections of {agent!r} loaded and READs of it "
+                    f"still in flight; refusing more until they drain")
         if agent not in self._peers:
             self._reload_peer_locked(agent, ep.conn)
-        if ep.scope == "grant" and grant.meta:
+        if ep.scope == "grant" and grant.meta and grant.meta not in self._loaded_md[agent]:
             try:
                 loaded = self._agent.add_remote_agent(grant.meta)
             except Exception as exc:
@@ -694,16 +705,19 @@ class NixlPlane(DataTransport):
             if loaded != agent:  # pragma: no cover - metadata_agent() was checked first
                 raise DataPlaneError(f"grant metadata loaded agent {loaded!r}, bound {agent!r}")
             self._sections[agent] = self._sections.get(agent, 0) + 1
+            self._loaded_md[agent].add(grant.meta)  # concurrent grants of one entry share it
 
     def _reload_peer_locked(self, agent: str, meta: bytes) -> None:
         if agent in self._peers:
             self._remove_peer_locked(agent)
         self._load_peer(agent, meta)
         self._sections[agent] = 0
+        self._loaded_md[agent] = set()
 
     def _remove_peer_locked(self, agent: str) -> None:
         self._peers.pop(agent, None)
         self._sections.pop(agent, None)
+        self._loaded_md.pop(agent, None)
         self._dirty.discard(agent)
         _quietly(f"remove_remote_agent({agent})", self._agent.remove_remote_agent, agent)
 
@@ -748,11 +762,8 @@ class NixlPlane(DataTransport):
         """A new agent of the same node (``<node_id>-<8 hex>``) means that producer restarted:
         forget its older agents (and never reuse them) once no READ handle refers to them."""
         node = agent.rpartition("-")[0]
-        busy = {h.agent for h in self._handles if h.xfer is not None}
         for old in [a for a in self._peers if a != agent and a.rpartition("-")[0] == node]:
-            if old not in busy:
-                del self._peers[old]
-                _quietly(f"remove_remote_agent({old})", self._agent.remove_remote_agent, old)
+            self._drop_when_idle_locked(old)
 
     def _release_locked(self, handle: _Read) -> None:
         xfer, handle.xfer = handle.xfer, None
@@ -763,6 +774,8 @@ class NixlPlane(DataTransport):
             self._stuck.append(xfer)
         if self._stuck:
             self._retry_stuck()
+        if handle.agent in self._dirty and not self._busy(handle.agent):
+            self._remove_peer_locked(handle.agent)  # its last READ is gone: drop it now
 
     def _retry_stuck(self) -> None:
         self._stuck = [x for x in self._stuck if not _quietly("release of a stuck READ", x.release)]

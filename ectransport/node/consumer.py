@@ -642,7 +642,7 @@ class ConsumerNode:
         key this node dialed it with and the host it dialed) and tell the session."""
         producer = self._producers[s.conn]
         plane = self._planes[c.plane]
-        old = s.binding
+        old, old_plane = s.binding, s.plane
         if not c.endpoint and self.require_binding:
             self._execute(s, s.on_bind_failed(
                 f"the producer declared no {c.plane} endpoint, so its grants could not be bound "
@@ -656,8 +656,8 @@ class ConsumerNode:
             log.warning("producer %s: %s plane refused its endpoint: %s", s.conn, c.plane, e)
             self._execute(s, s.on_bind_failed(str(e), now), now)
             return
-        if old is not None and old is not binding:
-            plane.unbind_peer(old)
+        if old is not None and old is not binding and old_plane in self._planes:
+            self._planes[old_plane].unbind_peer(old)  # on the plane that made it
         self._execute(s, s.on_bound(binding, now), now)
 
     def _report(self, s: ConsumerSession, outcome: Landed | Miss, now: float) -> None:
@@ -750,10 +750,8 @@ class ConsumerNode:
         self._sessions.pop(s.conn, None)
         self._producers.pop(s.conn, None)
         self._control.disconnect(s.conn)
-        if s.plane and s.binding is not None:
+        if s.plane and s.binding is not None:  # drops only this session's data-plane state
             self._planes[s.plane].unbind_peer(s.binding)
-        if s.plane and s.producer_id:
-            self._planes[s.plane].forget_peer(s.producer_id)
 
     def _close_resources(self) -> None:
         if self._control is not None:

@@ -9,6 +9,7 @@ Encoders and decoders are built once, at import.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import cast
 
 import msgspec
 
@@ -85,7 +86,7 @@ def decode(
             kind=env.k,
         )
     try:
-        return body.decode(data)
+        return cast(AnyMessage, body.decode(data))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise FrameError(Status.NACK_BAD_REQUEST, f"invalid {env.k!r} frame: {e}", env.k) from None
 

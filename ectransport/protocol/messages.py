@@ -53,7 +53,7 @@ class Message(msgspec.Struct, frozen=True, tag_field="k"):
     v: Version
 
 
-class Hello(Message, tag="hello", omit_defaults=True):
+class Hello(Message, frozen=True, tag="hello", omit_defaults=True):
     """Consumer → producer, first frame of a connection (sent only after CURVE succeeded).
 
     ``v`` is the highest version the sender speaks; ``versions`` lists all of them; ``planes`` lists
@@ -79,7 +79,7 @@ class Hello(Message, tag="hello", omit_defaults=True):
     ] = {}
 
 
-class Welcome(Message, tag="welcome", omit_defaults=True):
+class Welcome(Message, frozen=True, tag="welcome", omit_defaults=True):
     """Producer → consumer, answer to ``Hello``.
 
     On ``status == OK``: ``version`` and ``plane`` are the negotiated choices (highest common
@@ -105,7 +105,7 @@ class Welcome(Message, tag="welcome", omit_defaults=True):
     endpoint: Annotated[bytes, msgspec.Meta(max_length=MAX_ENDPOINT_BYTES)] = b""
 
 
-class XferReq(Message, tag="req"):
+class XferReq(Message, frozen=True, tag="req"):
     """Consumer → producer: "pin ``mm_hash`` for me and tell me how to reach its blocks".
 
     ``dest`` is a plane-specific destination (push planes: where the producer must send the bytes);
@@ -136,7 +136,7 @@ class Grant(msgspec.Struct, frozen=True):
     plane_grant: Annotated[bytes, msgspec.Meta(max_length=MAX_GRANT_BYTES)]
 
 
-class XferAck(Message, tag="ack"):
+class XferAck(Message, frozen=True, tag="ack"):
     """Producer → consumer: the answer to one ``XferReq``; ``grant`` is set iff ``status == OK``."""
 
     session_id: SessionId
@@ -146,7 +146,7 @@ class XferAck(Message, tag="ack"):
     detail: Detail
 
 
-class XferDone(Message, tag="done"):
+class XferDone(Message, frozen=True, tag="done"):
     """Consumer → producer: the consumer finished (``ok``) or gave up on a grant; unpin it now."""
 
     session_id: SessionId
@@ -155,7 +155,7 @@ class XferDone(Message, tag="done"):
     ok: bool
 
 
-class Renew(Message, tag="renew"):
+class Renew(Message, frozen=True, tag="renew"):
     """Consumer → producer heartbeat: extend the leases of grants still being read.
 
     The producer extends each lease to ``max(old_deadline, now + extend_s)`` (never shortening),
@@ -167,7 +167,7 @@ class Renew(Message, tag="renew"):
     extend_s: float
 
 
-class Nack(Message, tag="nack"):
+class Nack(Message, frozen=True, tag="nack"):
     """Either side: a frame could not be parsed or attributed to a transfer.
 
     ``status`` is NACK_BAD_REQUEST (malformed, unknown kind, no Hello yet) or NACK_VERSION (frame

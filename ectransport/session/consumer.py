@@ -482,7 +482,7 @@ class ConsumerSession:
         if f.state is FetchState.BACKOFF and not final:
             return self._send_req(f, now)
         del self._fetches[f.mm_hash]
-        if f.state is FetchState.BACKOFF or (final and f.last_nack is not None):
+        if f.last_nack is not None and (f.state is FetchState.BACKOFF or final):
             reason = _NACK_REASON.get(f.last_nack, MissReason.INTERNAL)
             return [Report(Miss(f.mm_hash, reason, f"still {f.last_nack.name} at the deadline"))]
         if f.state is FetchState.WAITING_ACK:
@@ -526,6 +526,12 @@ class ConsumerSession:
                     f"producer chose version {msg.version} / plane {msg.plane!r}",
                 )
             )
+        if self.plane is not None and msg.plane != self.plane and self.reading():
+            # the handles in flight belong to the old plane: never hand them to another
+            return self._fail_session(Miss(
+                "", MissReason.INTERNAL,
+                f"producer switched its data plane from {self.plane!r} to {msg.plane!r} while "
+                f"transfers were in flight"))
         self._welcome = msg
         self._hello_deadline = float("inf")  # answered; the node binds at once
         return [Bind(msg.plane, msg.endpoint)]

@@ -16,17 +16,19 @@ answered again without a second pin, entry present (MISSING) and ready (NOT_READ
 larger than the peer's whole pin budget (BAD_REQUEST: terminal, it can never be granted), the
 peer's pinned-bytes budget (BUSY), a grant that fits the wire (INTERNAL).
 
-**Grace period** (ECTP v1 §6.3). On a plane whose grants cannot be revoked (one-sided READ, e.g.
+**Grace period** (ECTP v1 §8.4). On a plane whose grants cannot be revoked (one-sided READ, e.g.
 NIXL: the consumer reads the region without asking), a grant that ended other than by a confirmed
 completion (lease expiry, ``XferDone(ok=False)``, consumer down) keeps its pin for ``grace_s`` more
 seconds — after a consumer-down, counted from the later of now and the lease deadline, since a
 consumer that has not noticed the drop (a frozen process) may still use the grant until then: its
-blocks are not re-allocated while a consumer may still be reading them. The consumer's budget is
-freed at once. On planes that serve each transfer themselves (PUSH: tcp, ucx, shm), ``Revoke``
-stops all access before it returns, so their blocks are unpinned at once. Shutdown releases at
-once (the planes close next). The consumer's own rule (it uses a
-grant only inside ``request sent + lease − margin`` on its clock) already keeps wrong bytes from
-being reported; the grace period is the producer's half of the same contract.
+blocks are not re-allocated while a consumer may still be reading them. On planes that serve each
+transfer themselves (PUSH: tcp, ucx, shm), ``Revoke`` stops all access before it returns; their
+pin is dropped at the next :meth:`ProducerSession.poll`, after the node performed the ``Revoke``.
+Held-back pins stay charged to the consumer's pin budget until they are dropped, so a consumer
+cannot pin more than its budget by giving grants back. Shutdown releases at once (the planes
+close next). The consumer's own rule (it uses a grant only inside ``request sent + lease −
+margin`` on its clock) already keeps wrong bytes from being reported; the grace period is the
+producer's half of the same contract.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class _Peer:
     plane: str
     identity: str  # budget / quarantine identity: CURVE key, else the session id
     grants: set[tuple[str, str, int]] = field(default_factory=set)
+    by_gid: dict[int, tuple[str, str, int]] = field(default_factory=dict)  # for Renew
 
 
 @dataclass
@@ -156,7 +159,9 @@ class ProducerSession:
         self._revocable = revocable or (lambda plane: False)
         self._reachable = reachable or (lambda plane, locality: True)
         self._endpoint = endpoint or (lambda plane: b"")
-        self._grace: list[tuple[float, str, int]] = []  # (until, mm_hash, entry_id), pins held
+        #: pins of ended grants held back: (until, mm_hash, entry_id, identity, pinned_bytes);
+        #: they stay charged to the identity's budget until they are dropped
+        self._grace: list[tuple[float, str, int, str, int]] = []
         self.store = store
         self.describers = describers
         self._rng = rng or random.SystemRandom()
@@ -200,7 +205,8 @@ class ProducerSession:
 
     @property
     def grace_pins(self) -> int:
-        """Pins held for the grace period of grants that ended without a confirmed completion."""
+        """Pins held back after grants that ended without a confirmed completion (module
+        docstring); still charged to their consumers' budgets."""
         return len(self._grace)
 
     def check_invariants(self) -> None:
@@ -219,8 +225,9 @@ class ProducerSession:
             assert st is not None and key in st.grants, f"grant {key} has no peer"
             by_identity[g.identity] = by_identity.get(g.identity, 0) + g.pinned_bytes
             pins[(key[1], g.entry_id)] = pins.get((key[1], g.entry_id), 0) + 1
-        for _, mm_hash, entry_id in self._grace:
+        for _, mm_hash, entry_id, identity, nbytes in self._grace:
             pins[(mm_hash, entry_id)] = pins.get((mm_hash, entry_id), 0) + 1
+            by_identity[identity] = by_identity.get(identity, 0) + nbytes
         assert by_identity == self._pinned_by, f"budget {self._pinned_by} != {by_identity}"
         for (mm_hash, entry_id), n in pins.items():
             e = self.store.get(mm_hash)
@@ -257,7 +264,8 @@ class ProducerSession:
                     ]
                 ext = max(0.0, min(float(msg.extend_s), self.config.lease_s))
                 for gid in msg.grant_ids[:4096]:
-                    for key in [k for k in state.grants if k[2] == gid]:
+                    key = state.by_gid.get(gid)
+                    if key is not None:
                         g = self._grants[key]
                         g.deadline = max(g.deadline, now + ext)
                 return []
@@ -289,8 +297,9 @@ class ProducerSession:
         self._now = now
         cmds: list[Command] = []
         while self._grace and self._grace[0][0] <= now:
-            _, mm_hash, entry_id = heapq.heappop(self._grace)
+            _, mm_hash, entry_id, identity, nbytes = heapq.heappop(self._grace)
             self.store.unpin(mm_hash, entry_id)
+            self._uncharge(identity, nbytes)
         for key in [k for k, g in self._grants.items() if g.deadline <= now]:
             g = self._grants[key]
             fields = {
@@ -316,8 +325,9 @@ class ProducerSession:
         cmds: list[Command] = []
         for key in list(self._grants):
             cmds += self._release(key, "released_peer_down", None)
-        for _, mm_hash, entry_id in self._grace:
+        for _, mm_hash, entry_id, identity, nbytes in self._grace:
             self.store.unpin(mm_hash, entry_id)
+            self._uncharge(identity, nbytes)
         self._grace.clear()
         return cmds
 
@@ -550,6 +560,7 @@ class ProducerSession:
         )
         self._live[key[:2]] = gid
         state.grants.add(key)
+        state.by_gid[gid] = key
         self._pinned_by[state.identity] = used + pinned_bytes
         self.stats["grants"] += 1
         fields = {
@@ -576,9 +587,12 @@ class ProducerSession:
 
     # -- helpers -------------------------------------------------------------------------------
     def _release(self, key: tuple[str, str, int], why: str, now: float | None) -> list[Command]:
-        """End a grant exactly once: revoke it on its plane, then unpin — at once after a confirmed
-        completion, else after the grace period (``now`` None: at once, for shutdown). Unknown
-        keys are no-ops."""
+        """End a grant exactly once and revoke it on its plane. Its pin (and the bytes charged to
+        the consumer's budget) go at once after a confirmed completion or at shutdown (``now``
+        None); otherwise they are held back (module docstring): on a revocable plane until the
+        next :meth:`poll` — after the node performed the ``Revoke``, so no block is re-used while
+        the plane may still send it — and on a READ plane for the grace period. Unknown keys are
+        no-ops."""
         g = self._grants.pop(key, None)
         if g is None:
             self.stats["late_signals"] += 1
@@ -587,19 +601,17 @@ class ProducerSession:
         st = self._peers.get(g.peer)
         if st is not None:
             st.grants.discard(key)
-        left = self._pinned_by.get(g.identity, 0) - g.pinned_bytes
-        if left > 0:
-            self._pinned_by[g.identity] = left
-        else:
-            self._pinned_by.pop(g.identity, None)
-        if (why == "completed" or now is None or self.config.grace_s <= 0
-                or self._revocable(g.plane)):
+            st.by_gid.pop(key[2], None)
+        if why == "completed" or now is None:
             self.store.unpin(key[1], g.entry_id)
-        else:  # the pin stays (the blocks are not re-allocated) until the grace period ends
-            # a consumer that has not noticed the connection drop may read until the lease
-            # deadline; one that gave up or whose lease expired stops at once
-            start = max(now, g.deadline) if why == "released_peer_down" else now
-            heapq.heappush(self._grace, (start + self.config.grace_s, key[1], g.entry_id))
+            self._uncharge(g.identity, g.pinned_bytes)
+        else:
+            if self._revocable(g.plane):
+                until = now
+            else:  # a consumer that missed a drop (a frozen process) may read until the deadline
+                start = max(now, g.deadline) if why == "released_peer_down" else now
+                until = start + max(0.0, self.config.grace_s)
+            heapq.heappush(self._grace, (until, key[1], g.entry_id, g.identity, g.pinned_bytes))
         self.stats[why] += 1
         if self.observer is not None or log.isEnabledFor(logging.DEBUG):
             fields = {
@@ -614,6 +626,13 @@ class ProducerSession:
                 "grant_ended", fields, why=why, nbytes=g.nbytes, plane=g.plane, held_s=held_s
             )
         return [Revoke(g.plane, g.plane_grant)]
+
+    def _uncharge(self, identity: str, nbytes: int) -> None:
+        left = self._pinned_by.get(identity, 0) - nbytes
+        if left > 0:
+            self._pinned_by[identity] = left
+        else:
+            self._pinned_by.pop(identity, None)
 
     def _can_reach(self, plane: str, locality: bytes) -> bool:
         try:

@@ -19,19 +19,24 @@ Spans = tuple[tuple[int, int], ...]  # (file offset, length) in bytes, in payloa
 @dataclass(frozen=True)
 class SaveOrder:
     """Producer: copy ``encoder_cache[mm_hash]`` (``shape`` = ``[num_tokens, hidden]``) into
-    ``spans``; ``entry_id`` names the reservation the report refers to."""
+    ``spans``; ``entry_id`` names the reservation the report refers to. Once the copy has
+    completed, the saving rank also writes ``entry_id`` (``-entry_id`` if it failed) as a
+    little-endian int64 at ``mark_offset`` of the region file: the scheduler reads it there when
+    vLLM drops the worker's report (the V1 runner does for an ``ec_producer``)."""
 
     mm_hash: str
     entry_id: int
     spans: Spans
     nbytes: int
     shape: tuple[int, int]
+    mark_offset: int = -1
 
 
 @dataclass(frozen=True)
 class LoadOrder:
-    """Consumer: put the ``nbytes`` at ``spans`` into ``encoder_cache[mm_hash]`` as a
-    ``shape`` tensor of the model dtype; ``transfer_id`` is fresh per dispatch."""
+    """Consumer (or the local tier of ``ec_both``): put the ``nbytes`` at ``spans`` into
+    ``encoder_cache[mm_hash]`` as a ``shape`` tensor of the model dtype; ``transfer_id`` is fresh
+    per dispatch."""
 
     mm_hash: str
     transfer_id: int

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +69,14 @@ class ConsumerSide:
 
     Args:
         expected_load_reports: how many ranks report each load (all loading ranks).
+        local: tells whether this instance's local tier holds an item (then it is not fetched).
     """
 
     def __init__(self, settings: Settings, layout: Layout, part: RegionPart, security: Security,
-                 node_id: str, expected_load_reports: int):
+                 node_id: str, expected_load_reports: int,
+                 local: Callable[[str], bool] | None = None):
         self.settings = settings
+        self.local = local
         self.layout = layout
         self.part = part
         self.keys = ProducerKeys(settings)
@@ -86,6 +90,7 @@ class ConsumerSide:
         self._landed: dict[str, _Landed] = {}
         self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally
         self._unavailable: set[str] = set()  # requests to fail: local compute without media
+        self._checked: set[str] = set()  # requests whose params were matched against their items
         self._queued: list[LoadOrder] = []
         self._loads: dict[int, _Load] = {}
         self._ids = itertools.count(1)
@@ -94,8 +99,11 @@ class ConsumerSide:
     # -- queries -------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Fetches in flight or loads not yet reported by every rank."""
-        return bool(self._fetches or self._queued or self._loads)
+        """Load orders not yet handed to the workers. Fetches in flight do not count: a request
+        waiting for one keeps the engine stepping anyway, and one nobody waits for any more is
+        settled at the next step. Loads awaiting reports do not count either: vLLM does not run
+        the workers' EC hooks on an idle consumer step, so stepping would not deliver them."""
+        return bool(self._queued)
 
     def has(self, mm_hash: str) -> bool:
         return mm_hash in self._landed
@@ -110,6 +118,7 @@ class ConsumerSide:
         if not params or not isinstance(params, dict):
             return True
         rid = request.request_id
+        self._check_match(request, params)
         pending = False
         for feature in request.mm_features or ():
             pos = feature.mm_position
@@ -118,6 +127,8 @@ class ConsumerSide:
             mm_hash = feature.identifier
             if (rid, mm_hash) in self._local:
                 continue
+            if self.local is not None and self.local(mm_hash):
+                continue  # this instance's own region has it
             f = self._fetches.get(mm_hash)
             if f is not None:
                 f.waiters.add(rid)
@@ -143,6 +154,22 @@ class ConsumerSide:
             self._unavailable.add(rid)
             return False
         return not pending
+
+    def _check_match(self, request: Any, params: dict) -> None:
+        """Log once per request when its ec_transfer_params name none of its items: the
+        producer's mm_hashes differ from this instance's (mm_hash covers the model name)."""
+        rid = request.request_id
+        if rid in self._checked:
+            return
+        self._checked.add(rid)
+        mine = {f.identifier for f in request.mm_features or ()}
+        if mine and not mine.intersection(params):
+            self.outcomes["local:no_match"] += len(mine)
+            log.warning("EC consumer: request %s carries ec_transfer_params for %d item(s), but "
+                        "none is one of its %d multimodal item(s); encoding them locally. vLLM's "
+                        "mm_hash covers the model name: start producer and consumer with the "
+                        "identical --model string (and the same media)", rid, len(params),
+                        len(mine))
 
     def take_unavailable(self) -> set[str]:
         """Requests to fail (see module docstring); each is returned once."""
@@ -266,6 +293,7 @@ class ConsumerSide:
     def on_finished(self, request: Any) -> None:
         rid = request.request_id
         self._unavailable.discard(rid)
+        self._checked.discard(rid)
         for feature in request.mm_features or ():
             mm_hash = feature.identifier
             self._local.discard((rid, mm_hash))
@@ -286,6 +314,7 @@ class ConsumerSide:
         self._queued.clear()
         self._local.clear()
         self._unavailable.clear()
+        self._checked.clear()
 
 
 def _check_announcement(info: dict, nbytes: int, rows: int, layout: Layout) -> str | None:

@@ -3,10 +3,19 @@
 Life of one encoder output (mm_hash)::
 
     update_state_after_alloc ─► ProducerNode.reserve (NOT_READY: consumers get NACK_NOT_READY)
-    build_connector_meta     ─► SaveOrder to the workers (the saving rank copies into the blocks)
-    update_connector_output  ─► saved: ProducerNode.commit (READY, servable)
-                                save_failed / no report within save_timeout_s: ProducerNode.abort
+                                and a save-mark slot in the region file
+    build_connector_meta     ─► SaveOrder to the workers (the saving rank copies into the blocks,
+                                then writes the entry id into the mark slot)
+    any scheduler hook       ─► mark seen (poll_marks) or worker report: ProducerNode.commit
+                                (READY, servable); failed mark/report or nothing within
+                                save_timeout_s: ProducerNode.abort
     request_finished         ─► ec_transfer_params for every feature with an entry, ready or not
+
+The mark is what makes an encoder-only producer work on vLLM's V1 model runner, which drops the
+worker's reports of an ``ec_producer`` (its encoder-only path returns an empty output): the
+scheduler reads the marks on every hook it gets, including ``has_pending_push_work``, which vLLM
+asks before it lets an idle engine sleep. ``busy`` is true only while a save is unfinished (at
+most ``save_timeout_s``), so an idle engine sleeps.
 
 Serving runs on the ProducerNode's own thread: grants, leases and completions do not wait for
 engine steps.
@@ -21,7 +30,7 @@ from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
 from ectransport.store import AllocFailed
 from ectransport.vllm.metadata import SaveOrder
-from ectransport.vllm.region import RegionPart
+from ectransport.vllm.region import RegionPart, SharedRegion
 from ectransport.vllm.settings import Settings
 
 log = logging.getLogger("ectransport.vllm.producer")
@@ -38,16 +47,19 @@ class ProducerSide:
     """
 
     def __init__(self, settings: Settings, layout: Layout, part: RegionPart, security: Security,
-                 node_id: str):
+                 node_id: str, marks: SharedRegion | None = None):
         self.settings = settings
         self.layout = layout
         self.part = part
+        self.marks = marks
+        self._free_slots: list[int] = list(range(marks.mark_slots)) if marks is not None else []
+        self._cooling: list[tuple[float, int]] = []  # slots of dropped saves, free after a while
         self.node = ProducerNode(
             layout=layout, host=settings.host, port=settings.port, security=security,
             planes=settings.planes, lease_s=settings.lease_s, budget_bytes=settings.budget_bytes,
             node_id=node_id, versions=settings.versions, region=part).start()
         self._reserved: dict[str, SaveOrder] = {}  # reserved, not yet dispatched
-        self._saving: dict[str, tuple[int, float]] = {}  # dispatched: entry_id, give-up time
+        self._saving: dict[str, tuple[int, float, int]] = {}  # dispatched: entry_id, give-up, slot
         self._drops: list[tuple[str, int]] = []
         log.info("EC producer %s serving on %s:%d (planes %s, %d blocks of %d bytes)",
                  node_id, settings.announced_host, self.node.port, ",".join(settings.planes),
@@ -67,6 +79,10 @@ class ProducerSide:
             return
         rows = int(feature.mm_position.get_num_embeds())
         nbytes = rows * self.layout.block_bytes
+        if self.marks is not None and not self._free_slots:
+            log.warning("EC producer: not saving %s: %d saves already in flight", mm_hash,
+                        self.marks.mark_slots)
+            return
         entry = self.node.reserve(mm_hash, nbytes)
         if isinstance(entry, AllocFailed):
             if entry.reason != "exists":
@@ -74,38 +90,74 @@ class ProducerSide:
                             "evictable blocks)", mm_hash, nbytes, entry.reason, entry.free_blocks,
                             entry.evictable_blocks)
             return
+        mark = -1
+        if self.marks is not None:
+            slot = self._free_slots.pop()
+            self.marks.clear_mark(slot)
+            mark = self.marks.mark_offset + 8 * slot
         self._reserved[mm_hash] = SaveOrder(mm_hash, entry.entry_id,
                                             tuple(self.part.spans(entry.runs, nbytes)), nbytes,
-                                            (rows, self.layout.hidden))
+                                            (rows, self.layout.hidden), mark)
 
     def take_orders(self, now: float) -> tuple[list[SaveOrder], list[tuple[str, int]]]:
         """This step's save orders and dropped saves (saves unreported past their deadline)."""
-        for mm_hash, (entry_id, give_up) in list(self._saving.items()):
+        self.poll_marks()
+        for mm_hash, (entry_id, give_up, slot) in list(self._saving.items()):
             if now >= give_up:
                 del self._saving[mm_hash]
                 self.node.abort(mm_hash, entry_id)
                 self._drops.append((mm_hash, entry_id))
+                if slot >= 0:  # a late mark of this save must not land on the next user's
+                    self._cooling.append((now + self.settings.save_timeout_s, slot))
                 log.warning("EC producer: save of %s not reported within %.0f s; dropped",
                             mm_hash, self.settings.save_timeout_s)
+        while self._cooling and self._cooling[0][0] <= now:
+            self._free_slots.append(self._cooling.pop(0)[1])
         orders = list(self._reserved.values())
         self._reserved.clear()
         for o in orders:
-            self._saving[o.mm_hash] = (o.entry_id, now + self.settings.save_timeout_s)
+            slot = (o.mark_offset - self.marks.mark_offset) // 8 if o.mark_offset >= 0 else -1
+            self._saving[o.mm_hash] = (o.entry_id, now + self.settings.save_timeout_s, slot)
         drops, self._drops = self._drops, []
         return orders, drops
+
+    def poll_marks(self) -> None:
+        """Commit (or abort) the dispatched saves whose mark the saving worker has written."""
+        if self.marks is None:
+            return
+        for mm_hash, (entry_id, _, slot) in list(self._saving.items()):
+            if slot < 0:
+                continue
+            mark = self.marks.mark(slot)
+            if mark == entry_id:
+                self._saved(mm_hash, entry_id)
+            elif mark == -entry_id:
+                self._failed(mm_hash, entry_id, "marked failed by the worker")
 
     def on_reports(self, saved: list[tuple[str, int]], failed: list[tuple[str, int, str]]) -> None:
         """Apply the workers' save reports: completed copies become READY, failed ones go."""
         for mm_hash, entry_id in saved:
             if self._saving.get(mm_hash, (None,))[0] == entry_id:
-                del self._saving[mm_hash]
-                if self.node.commit(mm_hash, entry_id):
-                    log.debug("EC producer: %s ready", mm_hash)
+                self._saved(mm_hash, entry_id)
         for mm_hash, entry_id, why in failed:
             if self._saving.get(mm_hash, (None,))[0] == entry_id:
-                del self._saving[mm_hash]
-                self.node.abort(mm_hash, entry_id)
-                log.warning("EC producer: save of %s failed on the worker: %s", mm_hash, why)
+                self._failed(mm_hash, entry_id, why)
+        self.poll_marks()
+
+    def _end(self, mm_hash: str) -> None:
+        _, _, slot = self._saving.pop(mm_hash)
+        if slot >= 0:
+            self._free_slots.append(slot)
+
+    def _saved(self, mm_hash: str, entry_id: int) -> None:
+        self._end(mm_hash)
+        if self.node.commit(mm_hash, entry_id):
+            log.debug("EC producer: %s ready", mm_hash)
+
+    def _failed(self, mm_hash: str, entry_id: int, why: str) -> None:
+        self._end(mm_hash)
+        self.node.abort(mm_hash, entry_id)
+        log.warning("EC producer: save of %s failed on the worker: %s", mm_hash, why)
 
     def announce(self, request: Any) -> dict[str, dict[str, Any]]:
         """``ec_transfer_params`` for the request's features that have an entry (ready, or with

@@ -2,8 +2,10 @@
 
 It creates the shared region (:class:`~ectransport.vllm.region.SharedRegion`) and the node(s):
 a :class:`ProducerSide` for ``ec_producer``, a :class:`ConsumerSide` for ``ec_consumer``, both for
-``ec_both`` (the region is then split in two halves: served entries, fetched entries). Every
-method is a thin dispatch; the transfer logic lives in the nodes and sessions.
+``ec_both`` (the region is then split in two halves: served entries, fetched entries), and for
+the roles that save, the :class:`~ectransport.vllm.local_tier.LocalTier` (a repeated item is
+taken from this instance's own region). Every method is a thin dispatch; the transfer logic
+lives in the nodes and sessions.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from ectransport.errors import ConfigError
 from ectransport.node.common import Layout, Security
+from ectransport.vllm.local_tier import LocalTier
 from ectransport.vllm.metadata import ECTransportMetadata, ECTransportWorkerMetadata
 from ectransport.vllm.region import SharedRegion, region_path
 from ectransport.vllm.sched_consumer import ConsumerSide
@@ -69,25 +72,34 @@ class SchedulerDelegate:
         self.region = SharedRegion(region_path(settings.shm_dir, key), total, layout.block_bytes)
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
+        self.local: LocalTier | None = None
         try:
             first = 0
             if producer:
                 n = total // 2 if consumer else total
                 self.producer = ProducerSide(settings, layout, self.region.part(0, n),
-                                             security_for(settings, True), f"ect-p-{key}")
+                                             security_for(settings, True), f"ect-p-{key}",
+                                             marks=self.region)
                 first = n
+                if settings.local_cache:
+                    self.local = LocalTier(self.producer, loads=consumer,
+                                           expected_load_reports=expected_load_reports(
+                                               vllm_config),
+                                           load_timeout_s=settings.load_timeout_s)
             if consumer:
                 self.consumer = ConsumerSide(settings, layout,
                                              self.region.part(first, total - first),
                                              security_for(settings, False), f"ect-c-{key}",
-                                             expected_load_reports(vllm_config))
+                                             expected_load_reports(vllm_config),
+                                             local=self.local.has if self.local else None)
         except BaseException:
             self.shutdown()
             raise
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        return self.consumer is not None and self.consumer.has(identifier)
+        return bool((self.consumer is not None and self.consumer.has(identifier)) or
+                    (self.local is not None and self.local.has(identifier)))
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         if self.consumer is None:
@@ -95,21 +107,30 @@ class SchedulerDelegate:
         return self.consumer.admit(request, num_computed_tokens, time.monotonic())
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
-        """Producer: reserve blocks for a feature the encoder computes here (ec_both does not
-        re-serve what it fetched). Consumer: pin a landed feature and queue its load."""
-        fetched = self.has_cache_item(request.mm_features[index].identifier)
+        """Local tier hit: pin it and queue its load (ec_both). Otherwise consumer: pin a landed
+        feature and queue its load; producer: reserve blocks for a feature the encoder computes
+        here (ec_both does not re-serve what it fetched)."""
+        mm_hash = request.mm_features[index].identifier
+        now = time.monotonic()
+        if self.local is not None and self.local.has(mm_hash) and \
+                self.local.on_alloc(request, index, now):
+            return
+        fetched = self.consumer is not None and self.consumer.has(mm_hash)
         if self.producer is not None and not fetched:
             self.producer.on_alloc(request, index)
         if self.consumer is not None:
-            self.consumer.on_alloc(request, index, time.monotonic())
+            self.consumer.on_alloc(request, index, now)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECTransportMetadata:
         now = time.monotonic()
-        meta = ECTransportMetadata(region_path=self.region.path, region_bytes=self.region.nbytes)
+        meta = ECTransportMetadata(region_path=self.region.path,
+                                   region_bytes=self.region.file_bytes)
         if self.producer is not None:
             meta.saves, meta.drop_saves = self.producer.take_orders(now)
+        if self.local is not None:
+            meta.loads = self.local.take_orders(now)
         if self.consumer is not None:
-            meta.loads = self.consumer.take_orders(now)
+            meta.loads += self.consumer.take_orders(now)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -118,6 +139,8 @@ class SchedulerDelegate:
             return
         if self.producer is not None:
             self.producer.on_reports(meta.saved, meta.save_failed)
+        if self.local is not None:
+            self.local.on_reports(meta.loaded, meta.load_failed)
         if self.consumer is not None:
             self.consumer.on_reports(meta.loaded, meta.load_failed)
 
@@ -132,12 +155,23 @@ class SchedulerDelegate:
         return self.consumer.take_unavailable() if self.consumer is not None else set()
 
     def has_pending_push_work(self) -> bool:
+        """True only while a step can make progress that nothing else asks for: a save not yet
+        marked or reported (CUDA copies are checked by the worker at each step). vLLM asks this
+        before it lets an idle engine sleep, so completed saves become READY here too."""
+        if self.producer is not None:
+            self.producer.poll_marks()
         return bool((self.producer is not None and self.producer.busy) or
                     (self.consumer is not None and self.consumer.busy))
 
     def shutdown(self) -> None:
-        """Close the nodes (in-flight fetches miss, grants are released), then remove the
-        region file. Idempotent."""
+        """Remove the region file's name first (a process killed during the rest of the
+        shutdown leaves nothing), close the nodes (in-flight fetches miss, grants are released),
+        then unmap the region. Idempotent."""
+        if getattr(self, "region", None) is not None:
+            self.region.unlink()
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         for side in (self.consumer, self.producer):
             if side is not None:
                 try:

@@ -62,6 +62,8 @@ class Settings:
         model_id / dtype / hidden: override what is read from the model config (required when
             vLLM runs without a model config); they define the compatibility hash and the layout.
         shm_dir: where the shared region file lives [/dev/shm].
+        local_cache: an instance that saves (``ec_producer``, ``ec_both``) takes a repeated item
+            from its own region instead of running the encoder again [true].
     """
 
     region_bytes: int = 1 << 30
@@ -86,6 +88,7 @@ class Settings:
     dtype: str | None = None
     hidden: int | None = None
     shm_dir: str = "/dev/shm"
+    local_cache: bool = True
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -179,7 +182,7 @@ def parse_settings(extra: Mapping[str, Any] | None, *, producer: bool, consumer:
             kw[key] = _int(key, v, 1)
         elif key in _SECONDS:
             kw[key] = _seconds(key, v)
-        elif key == "insecure":
+        elif key in ("insecure", "local_cache"):
             if not isinstance(v, bool):
                 raise _want(key, "true or false", v)
             kw[key] = v

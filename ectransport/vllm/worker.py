@@ -11,7 +11,9 @@ the model dtype, on the worker's device):
   into ``encoder_cache[mm_hash]``, report it once the copy has completed (the scheduler then
   unpins the blocks).
 
-Reports go back through :class:`~ectransport.vllm.metadata.ECTransportWorkerMetadata`.
+Reports go back through :class:`~ectransport.vllm.metadata.ECTransportWorkerMetadata`; a completed
+(or failed) save is also marked in the region file (``SaveOrder.mark_offset``), because vLLM's V1
+model runner drops the worker's reports of an ``ec_producer``.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class WorkerDelegate:
         self._saves: dict[str, SaveOrder] = {}  # ordered, not yet copied
         self._loads: list[LoadOrder] = []  # this step's
         self._copying: list[tuple[Any, Any, Any]] = []  # (report item, cuda event, keep-alive)
+        self._marks: dict[tuple[str, int], int] = {}  # save (mm_hash, entry_id) -> mark offset
         self._cache: dict[str, torch.Tensor] | None = None
         self._report = ECTransportWorkerMetadata()
 
@@ -162,6 +165,7 @@ class WorkerDelegate:
                 event.synchronize()
         self._copying.clear()
         self._saves.clear()
+        self._marks.clear()
         self._unmap()
 
     # -- internals -----------------------------------------------------------------------------
@@ -177,8 +181,15 @@ class WorkerDelegate:
     def _add(self, item: tuple) -> None:
         if isinstance(item[0], str):
             self._report.saved.append(item)
+            self._mark(item, item[1])
         else:
             self._report.loaded.append(item)
+
+    def _mark(self, save: tuple[str, int], value: int) -> None:
+        """Write a save's outcome into its mark slot (after the bytes: x86 keeps store order)."""
+        off = self._marks.pop(save, -1)
+        if off >= 0 and self._host is not None:
+            self._host[off: off + 8].view(torch.int64)[0] = value
 
     def _map(self, path: str, nbytes: int) -> None:
         if self._mapping is not None and self._mapping.path == path:
@@ -201,11 +212,14 @@ class WorkerDelegate:
 
     def _save(self, o: SaveOrder, tensor: torch.Tensor) -> None:
         del self._saves[o.mm_hash]
+        if o.mark_offset >= 0:
+            self._marks[(o.mm_hash, o.entry_id)] = o.mark_offset
         try:
             self._copy_in(o, tensor)
         except Exception as e:  # noqa: BLE001 - reported, the entry is dropped
             log.exception("EC worker: save of %s failed", o.mm_hash)
             self._report.save_failed.append((o.mm_hash, o.entry_id, str(e)))
+            self._mark((o.mm_hash, o.entry_id), -o.entry_id)
 
     def _copy_in(self, o: SaveOrder, tensor: torch.Tensor) -> None:
         t = tensor.detach()

@@ -65,12 +65,12 @@ def test_grant_pins_only_granted_blocks_and_lease_expiry_unpins():
     assert store.get("a").pins == 1
     p.poll(31.0)  # lease 30 s from t=1: the grant ends, its blocks stay pinned for the grace
     assert store.get("a").pins == 1 and p.active_grants == 0 and p.stats["expired"] == 1
-    assert p.grace_pins == 1 and p.pinned_bytes() == 0  # the budget is free at once
+    assert p.grace_pins == 1 and p.pinned_bytes() == 5 * BLOCK  # still charged to the budget
     p.check_invariants()
     p.poll(31.0 + p.config.grace_s - 0.01)
     assert store.get("a").pins == 1
     p.poll(31.0 + p.config.grace_s)
-    assert store.get("a").pins == 0 and p.grace_pins == 0
+    assert store.get("a").pins == 0 and p.grace_pins == 0 and p.pinned_bytes() == 0
     p.poll(100.0)
     assert store.get("a").pins == 0  # exactly once
     store.check_invariants()
@@ -181,12 +181,12 @@ def test_peer_down_releases_grants_at_once():
     ack_of(p.on_frame("peer1", req("a"), 0.0))
     ack_of(p.on_frame("peer1", req("b"), 0.0))
     p.on_peer_down("peer1", 1.0)
-    assert p.active_grants == 0 and p.pinned_bytes() == 0 and p.grace_pins == 2
+    assert p.active_grants == 0 and p.grace_pins == 2 and p.pinned_bytes() == 4 * BLOCK
     # a consumer that missed the drop may use its grants until their lease deadline (30 s)
     p.poll(30.0 + p.config.grace_s - 0.01)
     assert store.get("a").pins == 1
     p.poll(30.0 + p.config.grace_s)
-    assert store.get("a").pins == 0 and store.get("b").pins == 0
+    assert store.get("a").pins == 0 and store.get("b").pins == 0 and p.pinned_bytes() == 0
 
 
 def test_renew_extends_never_shortens():
@@ -303,4 +303,7 @@ def test_grants_of_revocable_planes_need_no_grace():
     welcomed(p)
     ack_of(p.on_frame("peer1", req("a"), 0.0))
     p.on_peer_down("peer1", 1.0)
-    assert store.get("a").pins == 0 and p.grace_pins == 0 and p.active_grants == 0
+    # held until the node performed the Revoke: dropped at the next poll, no grace period
+    assert store.get("a").pins == 1 and p.active_grants == 0
+    p.poll(1.0)
+    assert store.get("a").pins == 0 and p.grace_pins == 0 and p.pinned_bytes() == 0

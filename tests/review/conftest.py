@@ -1,0 +1,1 @@
+from tests.node.conftest import closing  # noqa: F401  (fixture re-export)
