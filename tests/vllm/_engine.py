@@ -104,7 +104,15 @@ class Engine:
         self.waiting: list[Request] = []
         self.finished: dict[str, Finished] = {}
         self.hold_reports = False
-        self.held: list[ECConnectorOutput] = []
+        self.drop_worker_meta = False  # as vLLM's V1 runner does for an ec_producer
+        self.held: list[tuple] = []
+        wd = self.worker._worker
+        if wd is not None:  # completed saves stay "in flight" (no report, no mark) while held
+            add = wd._add
+            wd._add = lambda item: (self.held.append(item)
+                                    if self.hold_reports and isinstance(item[0], str)
+                                    else add(item))
+            self._worker_add = add
         self._deferred: dict[str, int] = {}
         self._finished_ids: set[str] = set()
         self._free: list[str] = []
@@ -133,10 +141,11 @@ class Engine:
         return n
 
     def release_reports(self) -> None:
-        """Deliver worker outputs held back by ``hold_reports`` (saves still "in flight")."""
+        """Complete the saves held back by ``hold_reports`` (still "in flight" until now): the
+        worker reports and marks them, the next step delivers the reports."""
         held, self.held = self.held, []
-        for out in held:
-            self.sched.update_connector_output(out)
+        for item in held:
+            self._worker_add(item)
 
     def step(self) -> bool:
         """One engine step; True if a request was scheduled."""
@@ -172,11 +181,8 @@ class Engine:
         self._finished_ids, self._free = set(), []
         out.ec_connector_metadata = sched.build_connector_meta(out)
         ec_out, embeds = self._execute(out, [r for r, _ in scheduled])
-        if ec_out is not None and not ec_out.is_empty():
-            if self.hold_reports:
-                self.held.append(ec_out)
-            else:
-                sched.update_connector_output(ec_out)
+        if ec_out is not None and not ec_out.is_empty() and not self.drop_worker_meta:
+            sched.update_connector_output(ec_out)
         for rid in sched.take_unavailable_requests():  # update_from_output fails these
             req = next(r for r in self.waiting if r.request_id == rid)
             self.waiting.remove(req)
@@ -189,7 +195,8 @@ class Engine:
             computed = {req.mm_features[i].identifier for i in compute}
             fin = Finished(params, steps_deferred=self._deferred.pop(req.request_id, 0))
             for f in req.mm_features:
-                fin.embeds[f.identifier] = embeds[f.identifier]
+                if f.identifier in embeds:
+                    fin.embeds[f.identifier] = embeds[f.identifier]
                 fin.source[f.identifier] = "computed" if f.identifier in computed else "loaded"
             self.finished[req.request_id] = fin
             self._finished_ids.add(req.request_id)
@@ -218,6 +225,8 @@ class Engine:
                         f.identifier, f.mm_position.get_num_embeds(), salt=self.salt)
             for r in reqs:  # gather the multimodal embeddings (vLLM asserts they exist)
                 for f in r.mm_features:
+                    if not w.is_consumer and f.identifier not in self.encoder_cache:
+                        continue  # an encoder-only instance gathers nothing (skipped encoder)
                     t = self.encoder_cache[f.identifier]
                     assert t.shape == (f.mm_position.get_num_embeds(), HIDDEN), t.shape
                     assert t.dtype == DTYPE

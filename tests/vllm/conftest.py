@@ -25,9 +25,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 try:
     import vllm.distributed.ec_transfer.ec_connector.base  # noqa: F401 - imported once here
 except ImportError:
-    # Without vLLM only test_vllm_available.py is collected, and it reports the skip.
-    collect_ignore = [f for f in os.listdir(HERE)
-                      if f.startswith("test_") and f != "test_vllm_available.py"]
+    # Without vLLM only test_vllm_available.py (which reports the skip) and the tests of the
+    # vLLM-free modules are collected.
+    collect_ignore = [f for f in os.listdir(HERE) if f.startswith("test_") and
+                      f not in ("test_vllm_available.py", "test_region.py")]
 
 REGION_GLOB = "/dev/shm/ectransport-vllm-*.region"
 

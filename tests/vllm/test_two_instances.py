@@ -202,7 +202,7 @@ def test_busy_until_the_deadline_computes_locally(producer, consumer, side_node)
     fin = consume(consumer, [(h, 0, 8)], announce(n, h, 8))
     assert time.monotonic() - t0 < 10
     assert_local(fin, h, 8)
-    assert consumer.sched._scheduler.consumer.outcomes["miss:busy"] >= 1
+    assert consumer.sched._scheduler.consumer.outcomes["miss:busy"] >= 1, consumer.sched._scheduler.consumer.outcomes
     assert_healthy(consumer, producer)
 
 
