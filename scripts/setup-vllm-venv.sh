@@ -43,6 +43,20 @@ if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] 
 fi
 
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --system-site-packages "$VENV"
+# --system-site-packages shows the *base* interpreter's packages. When this script runs inside a
+# virtualenv (as most users' `bash .ci/run` does), the packages installed there (torch, nixl,
+# ectransport itself) must be visible too: a .pth file in the new venv adds the enclosing
+# environment's site-packages after its own.
+"$PY" - "$VENV" <<'PY'
+import sys, sysconfig, pathlib, subprocess
+venv = pathlib.Path(sys.argv[1])
+if sys.prefix != sys.base_prefix:  # running inside a virtualenv
+    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    site = subprocess.check_output([str(venv / "bin" / "python"), "-c",
+                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+    (pathlib.Path(site) / "_ectransport_parent_env.pth").write_text("\n".join(paths) + "\n")
+PY
 PIP=("$VENV/bin/pip" install -q)
 # torch comes from the main environment (system site-packages); pip only checks it is there.
 "${PIP[@]}" torch==2.13.0

@@ -63,12 +63,19 @@ class Capabilities:
         max_transfer_bytes: largest single transfer, bytes; None = unbounded.
         notifications: whether the producer learns of completion from the plane itself (else it
             relies on the consumer's ``XferDone`` or the lease).
+        address_options: which of the constructor options ``host`` (the address it binds and,
+            unless ``advertise_host`` is accepted too, names in its endpoint) and
+            ``advertise_host`` (the address it names when bound to a wildcard) the plane takes:
+            a plane with ``host`` listens on an address of its own, and the producer node passes
+            its control-plane address (or ``advertise_host``) there. Empty for planes that need no
+            address (NIXL, shm).
     """
 
     transfer_model: TransferModel
     mem_kinds: frozenset[str]
     max_transfer_bytes: int | None
     notifications: bool
+    address_options: frozenset[str] = frozenset()
 
 
 class RegionLike(Protocol):

@@ -177,6 +177,7 @@ class TcpPlane(DataTransport):
         mem_kinds=frozenset({"DRAM"}),
         max_transfer_bytes=None,
         notifications=True,
+        address_options=frozenset({"host", "advertise_host"}),
     )
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):

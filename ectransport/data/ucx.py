@@ -279,6 +279,7 @@ class UcxPlane(DataTransport):
         mem_kinds=frozenset({"DRAM"}),
         max_transfer_bytes=None,
         notifications=True,
+        address_options=frozenset({"host"}),  # binds every interface; host goes in grants
     )
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):

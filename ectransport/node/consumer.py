@@ -225,7 +225,7 @@ class ConsumerNode:
         extra = dict(session_options or {})
         allowed = {f.name for f in dataclasses.fields(ConsumerConfig)} - {
             "node_id", "compat_hash", "planes", "versions", "ack_timeout_s", "read_timeout_s",
-            "quarantine_s", "localities"}
+            "quarantine_s", "localities", "mem_kinds"}
         if unknown := sorted(set(extra) - allowed):
             raise ConfigError(f"unknown session option(s) {unknown}; known: {sorted(allowed)}")
         self._planes: dict[str, DataTransport] = {}
@@ -247,7 +247,9 @@ class ConsumerNode:
         self.config = ConsumerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
                                      planes=tuple(planes), ack_timeout_s=ack_timeout_s,
                                      read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
-                                     versions=tuple(versions), localities=localities, **extra)
+                                     versions=tuple(versions), localities=localities,
+                                     mem_kinds=(getattr(self.region, "mem_kind", "DRAM"),),
+                                     **extra)
         self._producers: dict[str, ProducerAddress] = {}  # conn -> where it was dialed
         self.require_binding = require_binding
         self._sessions: dict[str, ConsumerSession] = {}

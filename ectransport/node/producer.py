@@ -31,21 +31,19 @@ from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
 
 log = logging.getLogger("ectransport.node.producer")
 
-#: Planes that listen on a host address of their own (their ``host`` option defaults to the
-#: control plane's bind address unless that is a wildcard, where they need ``advertise_host``).
-_HOSTED_PLANES = frozenset({"tcp", "ucx"})
 _WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 
-def _hosted_plane_options(name: str, opts: dict[str, Any], host: str,
-                          advertise_host: str | None) -> dict[str, Any]:
-    """Serve a hosted plane where the control plane listens, and advertise a reachable address.
+def _hosted_plane_options(name: str, address_options: frozenset[str], opts: dict[str, Any],
+                          host: str, advertise_host: str | None) -> dict[str, Any]:
+    """Serve a plane that listens on an address of its own (its declared ``address_options``)
+    where the control plane listens, and have it name an address consumers can reach.
 
     Raises:
         ConfigError: a wildcard ``host`` without ``advertise_host`` (consumers could not reach
             the plane: its grants would name an unusable address).
     """
-    if name not in _HOSTED_PLANES:
+    if "host" not in address_options:
         return opts
     if host not in _WILDCARDS:
         opts.setdefault("host", host)
@@ -54,12 +52,12 @@ def _hosted_plane_options(name: str, opts: dict[str, Any], host: str,
             opts.get("host") in (None, *_WILDCARDS):
         raise ConfigError(f"the {name} plane with a wildcard host ({host!r}) needs advertise_host "
                           f"(serve --advertise-host): the address consumers reach this host at")
-    if name == "tcp":
+    if "advertise_host" in address_options:  # binds the wildcard, names advertise_host
         opts.setdefault("host", host)
         if advertise_host is not None:
             opts.setdefault("advertise_host", advertise_host)
     elif advertise_host is not None:
-        opts.setdefault("host", advertise_host)  # ucx binds every interface; host goes in grants
+        opts.setdefault("host", advertise_host)  # binds every interface, names its host
     return opts
 
 
@@ -127,9 +125,11 @@ class ProducerNode:
         self._allow = None
         try:
             for name in planes:
-                opts = _hosted_plane_options(name, dict((plane_options or {}).get(name, {})),
+                cls = load_plane(name)
+                opts = _hosted_plane_options(name, cls.capabilities.address_options,
+                                             dict((plane_options or {}).get(name, {})),
                                              host, advertise_host)
-                self._planes[name] = load_plane(name)(
+                self._planes[name] = cls(
                     node_id=self.node_id, region=self.region,
                     identity=identity_of(security.public_key), **opts)
             allow = None
@@ -171,7 +171,8 @@ class ProducerNode:
                                reachable=lambda name, loc: planes[name].reachable(loc),
                                endpoint=lambda name: planes[name].endpoint(),
                                revocable=lambda name: planes[name].capabilities.transfer_model
-                               is TransferModel.PUSH)
+                               is TransferModel.PUSH,
+                               max_bytes=lambda name: planes[name].capabilities.max_transfer_bytes)
 
     # -- public API ----------------------------------------------------------------------------
     @property

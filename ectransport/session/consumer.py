@@ -124,6 +124,7 @@ class ConsumerConfig:
         retry_backoff_s / retry_backoff_max_s: first and largest wait before re-sending an
             XferReq answered NACK_NOT_READY or NACK_BUSY [0.02 s → 0.5 s, doubling].
         peer_backoff_s / peer_backoff_max_s: peer quarantine after a failure [1 s → 60 s].
+        mem_kinds: memory kinds of the landing region, sent in Hello (``"DRAM"``, ``"VRAM"``).
         localities: ``(plane, token)`` pairs sent in Hello: each plane's
             ``DataTransport.locality()``, from which the producer judges reachability.
         validity_margin_s: safety margin of the validity window (see the module docstring)
@@ -151,6 +152,7 @@ class ConsumerConfig:
     request_notifications: bool = False
     validity_margin_s: float = 0.25
     localities: tuple[tuple[str, bytes], ...] = ()
+    mem_kinds: tuple[str, ...] = ("DRAM",)
 
 
 @dataclass
@@ -451,7 +453,7 @@ class ConsumerSession:
             versions=list(self.config.versions),
             planes=list(self.config.planes),
             compat_hash=self.config.compat_hash,
-            mem_kinds=["DRAM"],
+            mem_kinds=list(self.config.mem_kinds),
             localities=dict(self.config.localities),
         )
         return [Send(self.conn, encode(hello))]

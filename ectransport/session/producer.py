@@ -138,6 +138,8 @@ class ProducerSession:
             Hello carried ``locality`` for it (``DataTransport.reachable``); default: always.
         endpoint: ``(plane) -> bytes``: the plane's declaration for Welcome
             (``DataTransport.endpoint``); default ``b""``.
+        max_bytes: ``(plane) -> int | None``: the plane's ``max_transfer_bytes`` (None: no
+            limit); a larger entry is refused with the terminal NACK_BAD_REQUEST.
         revocable: ``(plane) -> bool``: whether revoking a grant on that plane stops every access
             to its blocks before it returns (producer-served PUSH planes); those grants need no
             grace period. Default: no plane is (the safe assumption).
@@ -154,8 +156,10 @@ class ProducerSession:
         reachable: Callable[[str, bytes], bool] | None = None,
         endpoint: Callable[[str], bytes] | None = None,
         revocable: Callable[[str], bool] | None = None,
+        max_bytes: Callable[[str], int | None] | None = None,
     ):
         self.config = config
+        self._max_bytes = max_bytes or (lambda plane: None)
         self._revocable = revocable or (lambda plane: False)
         self._reachable = reachable or (lambda plane, locality: True)
         self._endpoint = endpoint or (lambda plane: b"")
@@ -497,6 +501,13 @@ class ProducerSession:
                 f"entry needs {pinned_bytes} bytes pinned, more than this consumer's whole pin "
                 f"budget of {self.budget_bytes} bytes: it can never be granted (raise the "
                 f"producer's budget_bytes)",
+            )
+        limit = self._max_bytes(state.plane)
+        if limit is not None and entry.nbytes > limit:  # terminal as well
+            return nack(
+                Status.NACK_BAD_REQUEST,
+                f"entry of {entry.nbytes} bytes exceeds the {state.plane} plane's largest "
+                f"transfer ({limit} bytes)",
             )
         used = self._pinned_by.get(state.identity, 0)
         if used + pinned_bytes > self.budget_bytes:

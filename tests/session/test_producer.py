@@ -307,3 +307,17 @@ def test_grants_of_revocable_planes_need_no_grace():
     assert store.get("a").pins == 1 and p.active_grants == 0
     p.poll(1.0)
     assert store.get("a").pins == 0 and p.grace_pins == 0 and p.pinned_bytes() == 0
+
+
+def test_an_entry_over_the_planes_max_transfer_is_a_terminal_refusal():
+    """Capabilities are enforced, not informational: ``max_transfer_bytes`` bounds a grant."""
+    store = BlockStore(64, BLOCK)
+    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT)
+    p = ProducerSession(cfg, store, {"nixl": describe}, max_bytes=lambda plane: 2 * BLOCK)
+    put(store, "small", 2)
+    put(store, "big", 3)
+    welcomed(p)
+    assert ack_of(p.on_frame("peer1", req("small"), 0.0)).status is Status.OK
+    big = ack_of(p.on_frame("peer1", req("big"), 0.0))
+    assert big.status is Status.NACK_BAD_REQUEST and "largest transfer" in big.detail
+    assert store.get("big").pins == 0
