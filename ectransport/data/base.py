@@ -219,6 +219,11 @@ class DataTransport(ABC):
     def check(self, handle: Handle) -> XferState:
         """Non-blocking state of a transfer handle (either side)."""
 
+    def error_detail(self, handle: Handle) -> str:
+        """Why a transfer whose :meth:`check` said ``ERR`` failed, one line ("" if unknown); it
+        ends up in the consumer's ``Miss``. Never raises."""
+        return str(getattr(handle, "detail", "") or "")
+
     @abstractmethod
     def release(self, handle: Handle) -> None:
         """Release a handle, cancelling it if the plane can; idempotent, never raises."""

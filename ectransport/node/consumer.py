@@ -533,7 +533,8 @@ class ConsumerNode:
                 for mm_hash, handle in s.reading():
                     state = plane.check(handle).value
                     t = time.monotonic()  # observed after the check: the validity window's clock
-                    self._execute(s, s.on_read_state(mm_hash, state, t), t)
+                    why = plane.error_detail(handle) if state == "err" else ""
+                    self._execute(s, s.on_read_state(mm_hash, state, t, why), t)
             self._execute(s, s.poll(now), now)
             if s.conn in self._connecting:
                 self._check_connecting(s, now)
@@ -631,7 +632,8 @@ class ConsumerNode:
                     state = plane.check(handle)  # UCX may have copied inside start() already
                     if state.value != "proc":
                         t = time.monotonic()
-                        self._execute(s, s.on_read_state(c.key, state.value, t), t)
+                        why = plane.error_detail(handle) if state.value == "err" else ""
+                        self._execute(s, s.on_read_state(c.key, state.value, t, why), t)
             elif isinstance(c, Bind):
                 self._bind(s, c, now)
             elif isinstance(c, Release):

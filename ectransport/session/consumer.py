@@ -87,6 +87,11 @@ log = logging.getLogger("ectransport.session.consumer")
 #: Longest lease a consumer accepts in a grant, seconds (one day). A longer one is nonsensical
 #: (and would make the validity window, and the renewals computed from it, unbounded).
 MAX_LEASE_S = 86400.0
+#: Shortest lease a consumer accepts, seconds: a grant that expires before a round trip could
+#: complete is useless (and would make the consumer ask again and again).
+MIN_LEASE_S = 0.1
+#: How often one fetch asks again after a grant arrived past its validity window.
+MAX_LATE_GRANTS = 3
 
 
 class FetchState(enum.Enum):
@@ -170,6 +175,7 @@ class Fetch:
     handle: Any = None
     retry_s: float = 0.0
     req_sent: float = 0.0  # when the latest XferReq of this fetch was sent (consumer clock)
+    late_grants: int = 0  # grants that arrived past their validity window
     valid_until: float = float("inf")  # end of the granted lease's validity window
     last_nack: Status | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -363,8 +369,9 @@ class ConsumerSession:
         f.timings["posted"] = now
         return []
 
-    def on_read_state(self, mm_hash: str, state: str, now: float) -> list[Command]:
-        """Data-plane state of a transfer: ``"proc"``, ``"done"`` or ``"err"``."""
+    def on_read_state(self, mm_hash: str, state: str, now: float, detail: str = "") -> list[Command]:
+        """Data-plane state of a transfer: ``"proc"``, ``"done"`` or ``"err"`` (``detail``: the
+        plane's reason for an error, put in the miss)."""
         q = self._quarantine.get(mm_hash)
         if q is not None:
             return [] if state == "proc" else self._settle(q)
@@ -394,9 +401,9 @@ class ConsumerSession:
                 ),
                 ok=True,
             )
-        return self._finish(
-            f, Miss(mm_hash, MissReason.INTERNAL, "data-plane transfer failed"), ok=False
-        )
+        why = f"data-plane transfer failed: {detail[:300]}" if detail else \
+            "data-plane transfer failed"
+        return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, why), ok=False)
 
     def poll(self, now: float) -> list[Command]:
         """Apply deadlines (hello, ack, read → quarantine, quarantine → settle), retries, renewals."""
@@ -612,7 +619,8 @@ class ConsumerSession:
         if now >= valid_until:  # the lease may be over already: never use this grant (§6.3)
             cmds = [self._done(f.mm_hash, g.grant_id, ok=False)]
             late = now - valid_until
-            if now + self.config.ack_timeout_s < f.final_deadline:
+            f.late_grants += 1
+            if f.late_grants <= MAX_LATE_GRANTS and now + self.config.ack_timeout_s < f.final_deadline:
                 log.warning("grant for %s handled %.3f s after its validity window; asking again",
                             f.mm_hash[:12], late, extra={"peer": self.conn})
                 return cmds + self._send_req(f, now)
@@ -757,6 +765,7 @@ def _grant_problem(g: Any, plane: str | None, store: BlockStore) -> str:
     if g.block_bytes != store.block_bytes or g.num_blocks != store.blocks_for(g.entry_bytes):
         return (f"grant of {g.num_blocks} blocks of {g.block_bytes} bytes for {g.entry_bytes} "
                 f"bytes does not match the local layout ({store.block_bytes}-byte blocks)")
-    if not (math.isfinite(g.lease_s) and 0 < g.lease_s <= MAX_LEASE_S):
-        return f"lease_s must be a number of seconds in (0, {MAX_LEASE_S:g}], got {g.lease_s!r}"
+    if not (math.isfinite(g.lease_s) and MIN_LEASE_S <= g.lease_s <= MAX_LEASE_S):
+        return (f"lease_s must be a number of seconds in [{MIN_LEASE_S:g}, {MAX_LEASE_S:g}], "
+                f"got {g.lease_s!r}")
     return ""

@@ -64,11 +64,14 @@ class RawClient:
         return not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN)
 
     # -- ECTP ----------------------------------------------------------------------------------
-    def hello(self, compat_hash: str, *, planes=("nixl",), versions=SUPPORTED_VERSIONS) -> Welcome:
+    def hello(self, compat_hash: str, *, planes=("nixl",), versions=SUPPORTED_VERSIONS,
+              localities: dict[str, bytes] | None = None) -> Welcome:
+        """Say Hello; ``localities`` (plane name → that plane's ``locality()``) is sent only when
+        given (a plane such as shm is negotiated only for a consumer that says where it is)."""
         self.send_raw(encode(Hello(
             v=max(versions), session_id=self.session_id, node_id="raw-" + self.session_id[:6],
             versions=list(versions), planes=list(planes), compat_hash=compat_hash,
-            mem_kinds=["DRAM"])))
+            mem_kinds=["DRAM"], localities=dict(localities or {}))))
         msg = self.recv()
         assert isinstance(msg, Welcome), f"expected Welcome, got {msg!r}"
         return msg

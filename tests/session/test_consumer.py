@@ -491,7 +491,7 @@ def test_an_ack_handled_after_the_window_near_the_deadline_is_a_miss():
     assert m.reason is MissReason.TIMEOUT and "validity window" in m.detail
 
 
-@pytest.mark.parametrize("lease_s", [float("nan"), float("inf"), -1.0, 0.0, 1e308])
+@pytest.mark.parametrize("lease_s", [float("nan"), float("inf"), -1.0, 0.0, 1e-6, 1e308])
 def test_nonsensical_lease_is_refused_not_clamped(lease_s):
     """Issue 17 point 4: a NaN/negative lease used to be clamped to 0.1 s (a Renew every 17 ms)."""
     p, pstore, c, ack = _granted()
@@ -531,3 +531,24 @@ def test_landing_keys_do_not_collide_across_producers():
         outs += reports(c.on_read_state("a", "done", 0.1))
     assert all(isinstance(o, Landed) for o in outs)
     assert outs[0].entry.mm_hash != outs[1].entry.mm_hash
+
+
+def test_grants_that_always_arrive_late_end_in_a_miss_not_a_request_storm():
+    """A producer (or a link) whose grants are always past their validity window: the consumer
+    asks again a bounded number of times, then misses."""
+    from ectransport.session.consumer import MAX_LATE_GRANTS
+
+    p, pstore, c, ack = _granted(lease_s=1.0)
+    t, asked = 2.0, 0
+    out = c.on_frame(ack.data, t)
+    while True:
+        reqs = [m for m in msgs(out) if isinstance(m, XferReq)]
+        if not reqs:
+            break
+        asked += 1
+        (late,) = p.on_frame("peer1", encode(reqs[0]), t)  # answered at once...
+        t += 1.5  # ...but handled by the consumer after the lease
+        out = c.on_frame(late.data, t)
+    assert asked == MAX_LATE_GRANTS
+    (m,) = reports(out)
+    assert m.reason is MissReason.TIMEOUT and "validity window" in m.detail
