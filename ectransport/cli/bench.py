@@ -49,6 +49,7 @@ def bench(mode: str, out: Path | None, no_docs: bool) -> None:
     if str(d) not in sys.path:
         sys.path.insert(0, str(d))
     spec = importlib.util.spec_from_file_location("ectransport_benchmarks_run", d / "run.py")
+    assert spec is not None and spec.loader is not None  # a .py path always gets a source loader
     bench_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_run)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -183,9 +183,11 @@ def _consume(console, info, items, encoder, layout, security, planes, repeats, i
 
 def _print_table(console: Console, rows: list[dict], repeats: int) -> None:
     t = Table(title=f"ectransport demo: fetch vs local recompute ({repeats} fetches per item)")
-    for col, just in (("item", "left"), ("tokens", "right"), ("bytes", "right"),
-                      ("first fetch ms", "right"), ("fetch p50 ms", "right"), ("GB/s", "right"),
-                      ("recompute ms", "right"), ("speed-up", "right"), ("verified", "center")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("item", "left"), ("tokens", "right"), ("bytes", "right"), ("first fetch ms", "right"),
+        ("fetch p50 ms", "right"), ("GB/s", "right"), ("recompute ms", "right"),
+        ("speed-up", "right"), ("verified", "center"))
+    for col, just in columns:
         t.add_column(col, justify=just)
     for r in rows:
         if r["fetch_p50_ms"] is None:

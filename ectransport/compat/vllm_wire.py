@@ -52,6 +52,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from ectransport.control.base import ControlServer, PeerId, Received, ServerEvent
 from ectransport.data.base import Capabilities, DataTransport, RegionLike, TransferModel, XferState
 from ectransport.errors import ConfigError, DataPlaneError, PlaneUnavailable
 from ectransport.node.common import Layout, Security
@@ -402,7 +403,7 @@ class VllmWireProducerSession:
 
 
 # -- producer: plain ROUTER with vLLM's framing ---------------------------------------------------
-class VllmRouter:
+class VllmRouter(ControlServer):
     """Plain-ZMQ ROUTER speaking vLLM's envelope ``[identity, b"", payload]``.
 
     Control-server surface used by :class:`ProducerNode`'s loop: ``poll``, ``send``, ``wake``,
@@ -412,11 +413,10 @@ class VllmRouter:
     def __init__(self, host: str, port: int, max_frame_bytes: int = 1 << 20):
         import zmq
 
-        from ectransport.control.base import PeerId, Received
-
-        self._zmq, self._PeerId, self._Received = zmq, PeerId, Received
+        self._zmq = zmq
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
+        self._closed = False
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -427,7 +427,7 @@ class VllmRouter:
             self._ctx.term()
             raise ConfigError(f"cannot bind the vLLM wire ROUTER on {host}:{port}: {e}") from None
         self.host = host
-        self.port = int(self._router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.port = int(self._router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._waker_r = self._ctx.socket(zmq.PAIR)
         self._waker_w = self._ctx.socket(zmq.PAIR)
         addr = f"inproc://vllm-wire-wake-{id(self)}"
@@ -441,7 +441,7 @@ class VllmRouter:
         log.warning("vLLM wire profile: PLAIN ZMQ (no authentication, no encryption) on %s:%d",
                     host, self.port)
 
-    def poll(self, timeout_s: float) -> list:
+    def poll(self, timeout_s: float) -> list[ServerEvent]:
         zmq = self._zmq
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         if self._waker_r in events:
@@ -450,7 +450,7 @@ class VllmRouter:
                     self._waker_r.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-        out = []
+        out: list[ServerEvent] = []
         for _ in range(256):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
@@ -459,10 +459,10 @@ class VllmRouter:
             if len(frames) != 3 or frames[1] != b"":
                 self.malformed_dropped += 1
                 continue
-            out.append(self._Received(self._PeerId(frames[0], ""), frames[2]))
+            out.append(Received(PeerId(frames[0], ""), frames[2]))
         return out
 
-    def send(self, peer: Any, data: bytes) -> bool:
+    def send(self, peer: PeerId, data: bytes) -> bool:
         try:
             self._router.send_multipart([peer.route, b"", data], self._zmq.NOBLOCK)
             return True
@@ -477,11 +477,11 @@ class VllmRouter:
                 pass
 
     def close(self) -> None:
-        if self._router is None:
+        if self._closed:
             return
         for s in (self._router, self._waker_r, self._waker_w):
             s.close(0)
-        self._router = None
+        self._closed = True
         self._ctx.term()
 
 
@@ -526,10 +526,15 @@ class VllmWireProducerNode(ProducerNode):
         self._planes[EXPORT_PLANE] = VllmNixlExport(node_id=self.node_id, region=self.region)
         return VllmRouter(host, port)
 
+    def _export_plane(self) -> VllmNixlExport:
+        plane = self._planes[EXPORT_PLANE]
+        assert isinstance(plane, VllmNixlExport)  # put there by _make_control
+        return plane
+
     def _make_session(self, config: Any) -> VllmWireProducerSession:  # type: ignore[override]
         return VllmWireProducerSession(
             compat_hash=self.params.compat_hash, store=self.store,
-            export=self._planes[EXPORT_PLANE].export, lease_s=self._lease_s,
+            export=self._export_plane().export, lease_s=self._lease_s,
             budget_bytes=self._budget_bytes, one_grant_per_session=self._one_grant_per_session)
 
 
@@ -632,7 +637,7 @@ class VllmWireConsumer:
 
     def _fetch(self, p: _Peer, addr, mm_hash, entry, nbytes, t0, deadline) -> Fetched | Miss:
         n_blocks = nbytes // self.layout.block_bytes
-        timings = {}
+        timings: dict[str, float] = {}
         backoff = 0.02
         while True:
             req = encode_req(mm_hash, self.params.compat_hash, self.session_id,
@@ -653,7 +658,8 @@ class VllmWireConsumer:
                 backoff = min(0.5, backoff * 2)
                 continue
             if status is not VllmStatus.OK:
-                reason = _NACK_REASON.get(status, MissReason.INTERNAL)
+                reason = MissReason.INTERNAL if status is None else \
+                    _NACK_REASON.get(status, MissReason.INTERNAL)
                 name = getattr(status, "name", ack.status)
                 return Miss(mm_hash, reason, f"vLLM producer answered {name}")
             break
@@ -765,7 +771,8 @@ class VllmWireConsumer:
         self.close()
 
 
-def _coalesce(local, remote):
+def _coalesce(local: Sequence[tuple[int, int, int]], remote: Sequence[tuple[int, int, int]]
+              ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Merge neighbouring block pairs that are contiguous on both sides."""
     lo: list[tuple[int, int, int]] = []
     ro: list[tuple[int, int, int]] = []
@@ -779,7 +786,7 @@ def _coalesce(local, remote):
     return lo, ro
 
 
-def _quiet(fn, *args) -> None:
+def _quiet(fn: Callable[..., object], *args: object) -> None:
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001

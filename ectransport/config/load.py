@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,10 @@ from msgspec import inspect as mi
 from ectransport.config.settings import Settings
 from ectransport.errors import ConfigError
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 ENV_PREFIX = "ECTRANSPORT_"
 CONFIG_ENV = "ECTRANSPORT_CONFIG"
@@ -84,7 +85,9 @@ def _strip_none(t: Any) -> Any:
 
 def _leaves(cls: type = Settings, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Leaf]:
     out: dict[tuple[str, ...], Leaf] = {}
-    for f in mi.type_info(cls).fields:
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType), cls  # Settings and its sections are all Structs
+    for f in info.fields:
         t, desc = f.type, ""
         if isinstance(t, mi.Metadata):
             desc = (t.extra_json_schema or {}).get("description", "")

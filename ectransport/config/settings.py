@@ -25,158 +25,211 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
 
-def doc(tp: Any, text: str, **constraints: Any) -> Any:
-    """``Annotated[tp, Meta(description=text, ...)]``: a field's description says unit + meaning."""
-    return Annotated[tp, Meta(description=text, **constraints)]
+def doc(text: str, **constraints: Any) -> Meta:
+    """``Meta(description=text, ...)``, a field's ``Annotated`` metadata: its description says
+    unit + meaning."""
+    return Meta(description=text, **constraints)
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     pass
 
 
-class LayoutSettings(_Section):
+class LayoutSettings(_Section, frozen=True):
     """What an entry's bytes mean (both sides must agree: compatibility hash)."""
 
-    hidden: doc(int, "row width of an encoder output, elements (3584 = Qwen2-VL-7B)", ge=1) = 3584
-    dtype: doc(Literal["bfloat16", "float16", "float32"], "element dtype of encoder outputs") = \
-        "bfloat16"
-    seed: doc(int, "weight seed of the reference encoder (part of the model id)", ge=0) = 0
+    hidden: Annotated[int, doc(
+        "row width of an encoder output, elements (3584 = Qwen2-VL-7B)", ge=1
+    )] = 3584
+    dtype: Annotated[Literal["bfloat16", "float16", "float32"], doc(
+        "element dtype of encoder outputs"
+    )] = "bfloat16"
+    seed: Annotated[int, doc(
+        "weight seed of the reference encoder (part of the model id)", ge=0
+    )] = 0
 
 
-class NodeSettings(_Section):
-    planes: doc(list[str], "data planes offered/used, best first (see `ectransport planes`)") = \
-        msgspec.field(default_factory=lambda: ["nixl"])
-    node_id: doc(str | None, "name in logs and the NIXL agent; unset = '<role>-<random>'") = None
+class NodeSettings(_Section, frozen=True):
+    planes: Annotated[list[str], doc(
+        "data planes offered/used, best first (see `ectransport planes`)"
+    )] = msgspec.field(default_factory=lambda: ["nixl"])
+    node_id: Annotated[str | None, doc(
+        "name in logs and the NIXL agent; unset = '<role>-<random>'"
+    )] = None
 
 
-class SecuritySettings(_Section):
-    key_file: doc(str | None, "path: this node's CURVE secret key file (`ectransport keys "
-                              "generate`); must be mode 0600") = None
-    allow_dir: doc(str | None, "path, producer: directory of allowed consumer public keys "
-                               "(required for a non-loopback bind)") = None
-    server_key: doc(str | None, "consumer: the producer's public key (Z85 text or a public key "
-                                "file path)") = None
-    insecure: doc(bool, "plain ZMQ without CURVE: no authentication, no encryption") = False
+class SecuritySettings(_Section, frozen=True):
+    key_file: Annotated[str | None, doc(
+        "path: this node's CURVE secret key file (`ectransport keys generate`); must be mode 0600"
+    )] = None
+    allow_dir: Annotated[str | None, doc(
+        "path, producer: directory of allowed consumer public keys (required for a non-loopback "
+        "bind)"
+    )] = None
+    server_key: Annotated[str | None, doc(
+        "consumer: the producer's public key (Z85 text or a public key file path)"
+    )] = None
+    insecure: Annotated[bool, doc(
+        "plain ZMQ without CURVE: no authentication, no encryption"
+    )] = False
 
 
-class ProducerSettings(_Section):
-    host: doc(str, "control-plane bind address") = "127.0.0.1"
-    advertise_host: doc(str | None, "address consumers reach this host at (required with a "
-                                    "wildcard host for the tcp/ucx planes)") = None
-    port: doc(Port, "control-plane port, 0 = any free port") = 5601
-    region_bytes: doc(int, "host region for cached entries, bytes (whole blocks)", ge=1) = 1 << 30
-    lease_s: doc(float, "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1) = 30.0
-    budget_bytes: doc(PosInt | None, "most bytes one consumer may have pinned, bytes; unset = a "
-                                     "quarter of the region") = None
-    grace_s: doc(float, "blocks of a grant that ended unconfirmed stay pinned this long more "
-                        "(READ planes), s", ge=0) = 5.0
-    images: doc(str | None, "path: images `serve` encodes at start-up; unset = bundled ones") = None
+class ProducerSettings(_Section, frozen=True):
+    host: Annotated[str, doc("control-plane bind address")] = "127.0.0.1"
+    advertise_host: Annotated[str | None, doc(
+        "address consumers reach this host at (required with a wildcard host for the tcp/ucx "
+        "planes)"
+    )] = None
+    port: Annotated[Port, doc("control-plane port, 0 = any free port")] = 5601
+    region_bytes: Annotated[int, doc(
+        "host region for cached entries, bytes (whole blocks)", ge=1
+    )] = 1 << 30
+    lease_s: Annotated[float, doc(
+        "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1
+    )] = 30.0
+    budget_bytes: Annotated[PosInt | None, doc(
+        "most bytes one consumer may have pinned, bytes; unset = a quarter of the region"
+    )] = None
+    grace_s: Annotated[float, doc(
+        "blocks of a grant that ended unconfirmed stay pinned this long more (READ planes), s", ge=0
+    )] = 5.0
+    images: Annotated[str | None, doc(
+        "path: images `serve` encodes at start-up; unset = bundled ones"
+    )] = None
 
 
-class ConsumerSettings(_Section):
-    region_bytes: doc(int, "landing region, bytes", ge=1) = 256 * MiB
-    fetch_timeout_s: doc(float, "overall deadline of one fetch, s", ge=0.1) = 30.0
-    connect_timeout_s: doc(Seconds, "deadline of an explicit connect (CLI `fetch`), s") = 10.0
-    ack_timeout_s: doc(Seconds, "XferReq -> XferAck deadline, s") = 2.0
-    read_timeout_s: doc(Seconds, "data-plane transfer deadline after the ack, s") = 20.0
-    quarantine_s: doc(Seconds, "a timed-out transfer keeps its landing blocks this long, s") = 60.0
-    hello_timeout_s: doc(Seconds, "connection + Hello -> Welcome deadline, s") = 5.0
-    retry_backoff_s: doc(Seconds, "first wait before re-sending after NACK_NOT_READY/BUSY, s") = \
-        0.02
-    retry_backoff_max_s: doc(Seconds, "largest such wait (doubling), s") = 0.5
-    peer_backoff_s: doc(Seconds, "first peer quarantine after a failure, s") = 1.0
-    peer_backoff_max_s: doc(Seconds, "longest peer quarantine (doubling), s") = 60.0
+class ConsumerSettings(_Section, frozen=True):
+    region_bytes: Annotated[int, doc("landing region, bytes", ge=1)] = 256 * MiB
+    fetch_timeout_s: Annotated[float, doc("overall deadline of one fetch, s", ge=0.1)] = 30.0
+    connect_timeout_s: Annotated[Seconds, doc(
+        "deadline of an explicit connect (CLI `fetch`), s"
+    )] = 10.0
+    ack_timeout_s: Annotated[Seconds, doc("XferReq -> XferAck deadline, s")] = 2.0
+    read_timeout_s: Annotated[Seconds, doc("data-plane transfer deadline after the ack, s")] = 20.0
+    quarantine_s: Annotated[Seconds, doc(
+        "a timed-out transfer keeps its landing blocks this long, s"
+    )] = 60.0
+    hello_timeout_s: Annotated[Seconds, doc("connection + Hello -> Welcome deadline, s")] = 5.0
+    retry_backoff_s: Annotated[Seconds, doc(
+        "first wait before re-sending after NACK_NOT_READY/BUSY, s"
+    )] = 0.02
+    retry_backoff_max_s: Annotated[Seconds, doc("largest such wait (doubling), s")] = 0.5
+    peer_backoff_s: Annotated[Seconds, doc("first peer quarantine after a failure, s")] = 1.0
+    peer_backoff_max_s: Annotated[Seconds, doc("longest peer quarantine (doubling), s")] = 60.0
 
 
-class ControlServerSettings(_Section):
-    heartbeat_ivl_s: doc(Seconds, "ZMTP heartbeat interval, s") = 2.0
-    heartbeat_timeout_s: doc(Seconds, "a consumer silent this long is dropped, s") = 4.0
-    handshake_timeout_s: doc(Seconds, "half-open CURVE handshakes are dropped after, s") = 10.0
-    max_frame_bytes: doc(PosInt, "largest control frame, bytes") = 8 * MiB
-    max_msgs_per_poll: doc(PosInt, "frames read per loop iteration at most") = 256
-    peer_rate_per_s: doc(float, "per-consumer frame rate, frames/s", gt=0) = 2000.0
-    peer_burst: doc(PosInt, "per-consumer burst, frames") = 500
-    sndhwm: doc(PosInt, "per-connection send queue, frames") = 1000
-    rcvhwm: doc(PosInt, "per-connection receive queue, frames") = 1000
+class ControlServerSettings(_Section, frozen=True):
+    heartbeat_ivl_s: Annotated[Seconds, doc("ZMTP heartbeat interval, s")] = 2.0
+    heartbeat_timeout_s: Annotated[Seconds, doc("a consumer silent this long is dropped, s")] = 4.0
+    handshake_timeout_s: Annotated[Seconds, doc(
+        "half-open CURVE handshakes are dropped after, s"
+    )] = 10.0
+    max_frame_bytes: Annotated[PosInt, doc("largest control frame, bytes")] = 8 * MiB
+    max_msgs_per_poll: Annotated[PosInt, doc("frames read per loop iteration at most")] = 256
+    peer_rate_per_s: Annotated[float, doc("per-consumer frame rate, frames/s", gt=0)] = 2000.0
+    peer_burst: Annotated[PosInt, doc("per-consumer burst, frames")] = 500
+    sndhwm: Annotated[PosInt, doc("per-connection send queue, frames")] = 1000
+    rcvhwm: Annotated[PosInt, doc("per-connection receive queue, frames")] = 1000
 
 
-class ControlClientSettings(_Section):
-    handshake_timeout_s: doc(Seconds, "TCP connect + CURVE handshake deadline, s") = 1.5
-    heartbeat_ivl_s: doc(Seconds, "ZMTP heartbeat interval, s") = 2.0
-    heartbeat_timeout_s: doc(Seconds, "a producer silent this long is reported down, s") = 4.0
-    max_frame_bytes: doc(PosInt, "largest control frame, bytes") = 8 * MiB
-    max_msgs_per_poll: doc(PosInt, "frames read per loop iteration at most") = 256
-    sndhwm: doc(PosInt, "per-connection send queue, frames") = 1000
-    rcvhwm: doc(PosInt, "per-connection receive queue, frames") = 1000
-    reconnect_ivl_s: doc(Seconds, "first ZeroMQ reconnect wait, s") = 0.1
-    reconnect_ivl_max_s: doc(Seconds, "largest ZeroMQ reconnect wait, s") = 2.0
+class ControlClientSettings(_Section, frozen=True):
+    handshake_timeout_s: Annotated[Seconds, doc("TCP connect + CURVE handshake deadline, s")] = 1.5
+    heartbeat_ivl_s: Annotated[Seconds, doc("ZMTP heartbeat interval, s")] = 2.0
+    heartbeat_timeout_s: Annotated[Seconds, doc(
+        "a producer silent this long is reported down, s"
+    )] = 4.0
+    max_frame_bytes: Annotated[PosInt, doc("largest control frame, bytes")] = 8 * MiB
+    max_msgs_per_poll: Annotated[PosInt, doc("frames read per loop iteration at most")] = 256
+    sndhwm: Annotated[PosInt, doc("per-connection send queue, frames")] = 1000
+    rcvhwm: Annotated[PosInt, doc("per-connection receive queue, frames")] = 1000
+    reconnect_ivl_s: Annotated[Seconds, doc("first ZeroMQ reconnect wait, s")] = 0.1
+    reconnect_ivl_max_s: Annotated[Seconds, doc("largest ZeroMQ reconnect wait, s")] = 2.0
 
 
-class ControlSettings(_Section):
+class ControlSettings(_Section, frozen=True):
     server: ControlServerSettings = msgspec.field(default_factory=ControlServerSettings)
     client: ControlClientSettings = msgspec.field(default_factory=ControlClientSettings)
 
 
-class TcpPlaneSettings(_Section):
-    host: doc(str | None, "listener bind address; unset = the control plane's") = None
-    port: doc(Port, "listener port, 0 = any free port") = 0
-    advertise_host: doc(str | None, "address put in grants (required for a wildcard host)") = None
-    connect_timeout_s: doc(Seconds, "consumer connect deadline, s") = 5.0
-    io_timeout_s: doc(Seconds, "longest stall of one socket operation, s") = 10.0
-    idle_timeout_s: doc(Seconds, "producer: idle connections are closed after, s") = 60.0
-    max_connections: doc(PosInt, "producer: concurrent connections served") = 64
-    max_inflight: doc(PosInt, "consumer: concurrent receives") = 64
-    max_idle_per_peer: doc(NonNegInt, "consumer: pooled idle connections per producer") = 8
+class TcpPlaneSettings(_Section, frozen=True):
+    host: Annotated[str | None, doc("listener bind address; unset = the control plane's")] = None
+    port: Annotated[Port, doc("listener port, 0 = any free port")] = 0
+    advertise_host: Annotated[str | None, doc(
+        "address put in grants (required for a wildcard host)"
+    )] = None
+    connect_timeout_s: Annotated[Seconds, doc("consumer connect deadline, s")] = 5.0
+    io_timeout_s: Annotated[Seconds, doc("longest stall of one socket operation, s")] = 10.0
+    idle_timeout_s: Annotated[Seconds, doc("producer: idle connections are closed after, s")] = 60.0
+    max_connections: Annotated[PosInt, doc("producer: concurrent connections served")] = 64
+    max_inflight: Annotated[PosInt, doc("consumer: concurrent receives")] = 64
+    max_idle_per_peer: Annotated[NonNegInt, doc(
+        "consumer: pooled idle connections per producer"
+    )] = 8
 
 
-class UcxPlaneSettings(_Section):
-    host: doc(str | None, "address put in grants; unset = the control plane's") = None
-    port: doc(Port, "UCX listener port, 0 = any free port") = 0
-    peer_error_handling: doc(bool, "UCX endpoint error handling (forces TCP intra-node)") = False
-    transfer_timeout_s: doc(Seconds, "a consumer transfer still in flight after this is ERR, s") = \
-        30.0
-    ucx_options: doc(dict[str, str], "extra UCX options, e.g. {TLS = \"tcp,cma,self\"}") = \
-        msgspec.field(default_factory=dict)
+class UcxPlaneSettings(_Section, frozen=True):
+    host: Annotated[str | None, doc("address put in grants; unset = the control plane's")] = None
+    port: Annotated[Port, doc("UCX listener port, 0 = any free port")] = 0
+    peer_error_handling: Annotated[bool, doc(
+        "UCX endpoint error handling (forces TCP intra-node)"
+    )] = False
+    transfer_timeout_s: Annotated[Seconds, doc(
+        "a consumer transfer still in flight after this is ERR, s"
+    )] = 30.0
+    ucx_options: Annotated[dict[str, str], doc(
+        "extra UCX options, e.g. {TLS = \"tcp,cma,self\"}"
+    )] = msgspec.field(default_factory=dict)
 
 
-class NixlPlaneSettings(_Section):
-    num_threads: doc(NonNegInt, "NIXL UCX backend worker threads, 0 = NIXL's default") = 0
-    prog_thread: doc(bool, "NIXL progress thread") = True
-    grant_scope: doc(Literal["grant", "region"],
-                     "what a grant exposes: a registration of only its blocks, or the whole "
-                     "region (vLLM's behaviour)") = "grant"
+class NixlPlaneSettings(_Section, frozen=True):
+    num_threads: Annotated[NonNegInt, doc(
+        "NIXL UCX backend worker threads, 0 = NIXL's default"
+    )] = 0
+    prog_thread: Annotated[bool, doc("NIXL progress thread")] = True
+    grant_scope: Annotated[Literal["grant", "region"], doc(
+        "what a grant exposes: a registration of only its blocks, or the whole region (vLLM's "
+        "behaviour)"
+    )] = "grant"
 
 
-class PlanesSettings(_Section):
-    plugins: doc(dict[str, dict[str, Any]], "plugin plane name -> its constructor options "
-                                            "(free-form; checked by the plugin)") = \
-        msgspec.field(default_factory=dict)
+class PlanesSettings(_Section, frozen=True):
+    plugins: Annotated[dict[str, dict[str, Any]], doc(
+        "plugin plane name -> its constructor options (free-form; checked by the plugin)"
+    )] = msgspec.field(default_factory=dict)
     tcp: TcpPlaneSettings = msgspec.field(default_factory=TcpPlaneSettings)
     ucx: UcxPlaneSettings = msgspec.field(default_factory=UcxPlaneSettings)
     nixl: NixlPlaneSettings = msgspec.field(default_factory=NixlPlaneSettings)
 
 
-class MetricsSettings(_Section):
-    port: doc(Port | None, "`serve`: expose Prometheus metrics over HTTP on this port; unset = "
-                           "off") = None
-    host: doc(str, "metrics HTTP bind address (0.0.0.0 to let a remote Prometheus scrape)") = \
-        "127.0.0.1"
+class MetricsSettings(_Section, frozen=True):
+    port: Annotated[Port | None, doc(
+        "`serve`: expose Prometheus metrics over HTTP on this port; unset = off"
+    )] = None
+    host: Annotated[str, doc(
+        "metrics HTTP bind address (0.0.0.0 to let a remote Prometheus scrape)"
+    )] = "127.0.0.1"
 
 
-class LogSettings(_Section):
-    level: doc(Literal["DEBUG", "INFO", "WARNING", "ERROR"], "level of the ectransport loggers") \
-        = "WARNING"
-    format: doc(Literal["text", "json"], "text, or one JSON object per line for log shippers") = \
-        "text"
+class LogSettings(_Section, frozen=True):
+    level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], doc(
+        "level of the ectransport loggers"
+    )] = "WARNING"
+    format: Annotated[Literal["text", "json"], doc(
+        "text, or one JSON object per line for log shippers"
+    )] = "text"
 
 
-class DemoSettings(_Section):
-    repeats: doc(int, "`demo`: fetches per item", ge=1, le=1000) = 5
-    producer_start_timeout_s: doc(Seconds, "`demo`: wait for the producer to serve, s") = 600.0
-    producer_stop_timeout_s: doc(Seconds, "`demo`: SIGTERM -> SIGKILL of the producer, s") = 15.0
+class DemoSettings(_Section, frozen=True):
+    repeats: Annotated[int, doc("`demo`: fetches per item", ge=1, le=1000)] = 5
+    producer_start_timeout_s: Annotated[Seconds, doc(
+        "`demo`: wait for the producer to serve, s"
+    )] = 600.0
+    producer_stop_timeout_s: Annotated[Seconds, doc(
+        "`demo`: SIGTERM -> SIGKILL of the producer, s"
+    )] = 15.0
 
 
-class Settings(_Section):
+class Settings(_Section, frozen=True):
     """Everything configurable, by section (``[producer]``, ``[control.server]``, ...)."""
 
     layout: LayoutSettings = msgspec.field(default_factory=LayoutSettings)

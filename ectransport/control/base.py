@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+S = TypeVar("S")  # an event's source: PeerId (server) or connection key (client)
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,10 @@ class PeerId:
 
 # -- events ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Received:
+class Received(Generic[S]):
     """A frame arrived. ``source`` is a :class:`PeerId` (server) or a connection key (client)."""
 
-    source: object
+    source: S
     data: bytes
 
 
@@ -53,13 +56,15 @@ class AuthFailed:
 
 
 @dataclass(frozen=True)
-class Down:
+class Down(Generic[S]):
     """The peer went away (disconnect or heartbeat timeout). ``source`` as in :class:`Received`."""
 
-    source: object
+    source: S
 
 
-Event = Received | Up | AuthFailed | Down
+ServerEvent = Received[PeerId] | Down[PeerId]  # what a ControlServer reports
+ClientEvent = Received[str] | Up | AuthFailed | Down[str]  # what a ControlClient reports
+Event = ServerEvent | ClientEvent
 
 
 class ControlServer(ABC):
@@ -69,7 +74,7 @@ class ControlServer(ABC):
     port: int
 
     @abstractmethod
-    def poll(self, timeout_s: float) -> list[Event]:
+    def poll(self, timeout_s: float) -> list[ServerEvent]:
         """Wait up to ``timeout_s`` for frames/events, then drain what is buffered (bounded)."""
 
     @abstractmethod
@@ -99,7 +104,7 @@ class ControlClient(ABC):
         """Queue a frame on a connection; False if it is not connected."""
 
     @abstractmethod
-    def poll(self, timeout_s: float) -> list[Event]:
+    def poll(self, timeout_s: float) -> list[ClientEvent]:
         """Wait up to ``timeout_s`` for frames/events on all connections, then drain them."""
 
     @abstractmethod

@@ -255,9 +255,10 @@ class AllowList:
             if time.monotonic() - self._last_check >= self.check_interval_s:
                 self._refresh_locked(force=False)
 
-    def _scan_signature(self) -> tuple:
+    def _scan_signature(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, mtime_ns, size) of every public key file, sorted: a change means a rescan."""
         assert self.directory is not None
-        entries = []
+        entries: list[tuple[str, int, int]] = []
         with os.scandir(self.directory) as it:
             for e in it:
                 if e.name.endswith(PUBLIC_SUFFIX) and not e.name.startswith("."):

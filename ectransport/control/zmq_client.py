@@ -8,17 +8,26 @@ import errno
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ectransport.control.base import AuthFailed, ControlClient, Down, Event, Received, Up
+from ectransport.control.base import (
+    AuthFailed,
+    ClientEvent,
+    ControlClient,
+    Down,
+    Received,
+    Up,
+)
 from ectransport.control.keys import load_public
 from ectransport.control.zmq_common import (
     HANDSHAKE_FAILED,
     LARGE_FRAME,
     LOG_NAME,
     MONITOR_DRAIN_MAX,
+    CommonOpts,
     Waker,
     check_positive,
     close_monitored,
@@ -42,8 +51,8 @@ _NO_DETAIL_LIMIT = 4  # unexplained handshake hang-ups before a client reports A
 @dataclass
 class _Conn:
     key: str
-    sock: zmq.Socket
-    mon: zmq.Socket
+    sock: zmq.Socket[bytes]
+    mon: zmq.Socket[bytes]
     deadline: float | None
     state: str = "connecting"  # connecting | up | down
     tcp_seen: bool = False
@@ -107,7 +116,7 @@ class ZmqControlClient(ControlClient):
             self.public_key, self._secret = keypair(secret_key, public_key, "consumer")
         self.handshake_timeout_s = handshake_timeout_s
         self.max_msgs_per_poll = int(max_msgs_per_poll)
-        self._opts = {
+        self._opts: CommonOpts = {
             "heartbeat_ivl_s": heartbeat_ivl_s,
             "heartbeat_timeout_s": heartbeat_timeout_s,
             "max_frame_bytes": max_frame_bytes,
@@ -117,7 +126,7 @@ class ZmqControlClient(ControlClient):
         self._reconnect_ms = (ms(reconnect_ivl_s), ms(max(reconnect_ivl_s, reconnect_ivl_max_s)))
         self._ctx = zmq.Context()
         self._conns: dict[str, _Conn] = {}
-        self._by_sock: dict[zmq.Socket, _Conn] = {}
+        self._by_sock: dict[zmq.Socket[bytes], _Conn] = {}
         self._waker = Waker()
         self._poller = zmq.Poller()
         self._poller.register(self._waker.fd, zmq.POLLIN)
@@ -175,7 +184,7 @@ class ZmqControlClient(ControlClient):
             return False
         return True
 
-    def poll(self, timeout_s: float) -> list[Event]:
+    def poll(self, timeout_s: float) -> list[ClientEvent]:
         if self._closed:
             return []
         now = time.monotonic()
@@ -189,7 +198,7 @@ class ZmqControlClient(ControlClient):
             ready = {}
         if self._waker.fd in ready:
             self._waker.drain()
-        events: list[Event] = []
+        events: list[ClientEvent] = []
         # only sockets the poller reported readable (level-triggered, so nothing is missed)
         for c in [c for c in self._conns.values() if c.mon in ready]:
             self._drain_monitor(c, events)
@@ -217,7 +226,7 @@ class ZmqControlClient(ControlClient):
         self._waker.close()
         self._ctx.destroy(linger=0)
 
-    def __enter__(self):
+    def __enter__(self) -> ZmqControlClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -231,12 +240,12 @@ class ZmqControlClient(ControlClient):
             self._poller.unregister(s)
         close_monitored(c.sock, c.mon)
 
-    def _fail(self, c: _Conn, reason: str, events: list[Event]) -> None:
+    def _fail(self, c: _Conn, reason: str, events: list[ClientEvent]) -> None:
         log.warning("control connection %s: authentication failed: %s", c.key, reason)
         self._forget(c)
         events.append(AuthFailed(c.key, reason))
 
-    def _up(self, c: _Conn, events: list[Event]) -> None:
+    def _up(self, c: _Conn, events: list[ClientEvent]) -> None:
         c.state = "up"
         c.deadline = None
         c.no_detail = 0
@@ -253,7 +262,7 @@ class ZmqControlClient(ControlClient):
             "plain/CURVE mismatch: the producer is in insecure plain mode, this consumer uses CURVE"
         )
 
-    def _drain_monitor(self, c: _Conn, events: list[Event]) -> None:
+    def _drain_monitor(self, c: _Conn, events: list[ClientEvent]) -> None:
         for _ in range(MONITOR_DRAIN_MAX):
             if c.key not in self._conns:
                 return
@@ -315,7 +324,7 @@ class ZmqControlClient(ControlClient):
             "client key without replying)"
         )
 
-    def _handshake_timeout(self, c: _Conn, events: list[Event]) -> None:
+    def _handshake_timeout(self, c: _Conn, events: list[ClientEvent]) -> None:
         x = f"{self.handshake_timeout_s:g}s"
         if c.tcp_seen:
             if c.no_detail and not self.insecure:
@@ -337,7 +346,7 @@ class ZmqControlClient(ControlClient):
                 log.info("control connection %s: producer unreachable for %s", c.key, x)
                 events.append(Down(c.key))
 
-    def _drain_data(self, events: list[Event], active: list[_Conn]) -> None:
+    def _drain_data(self, events: list[ClientEvent], active: list[_Conn]) -> None:
         budget = self.max_msgs_per_poll
         while budget > 0 and active:
             still = []
@@ -352,6 +361,8 @@ class ZmqControlClient(ControlClient):
                     self._up(c, events)  # a frame proves the handshake succeeded
                 events.append(Received(c.key, data))
                 budget -= 1
-                if c.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a failing recv
+                # EVENTS is an int option (pyzmq types every option int | bytes); cheaper than
+                # a failing recv
+                if cast(int, c.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     still.append(c)
             active = still

@@ -11,6 +11,7 @@ import ipaddress
 import math
 import os
 import threading
+from typing import TypedDict
 
 import zmq
 
@@ -67,8 +68,18 @@ def keypair(secret_key: str | None, public_key: str | None, who: str) -> tuple[s
     return derived, secret_key
 
 
+class CommonOpts(TypedDict):
+    """The keyword arguments of :func:`set_common`, kept by a client for every socket it opens."""
+
+    heartbeat_ivl_s: float
+    heartbeat_timeout_s: float
+    max_frame_bytes: int
+    sndhwm: int
+    rcvhwm: int
+
+
 def set_common(
-    sock: zmq.Socket,
+    sock: zmq.Socket[bytes],
     *,
     heartbeat_ivl_s: float,
     heartbeat_timeout_s: float,
@@ -85,7 +96,7 @@ def set_common(
     sock.setsockopt(zmq.HEARTBEAT_TTL, min(ms(heartbeat_timeout_s), 6_553_500))
 
 
-def close_monitored(sock: zmq.Socket, mon: zmq.Socket | None) -> None:
+def close_monitored(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:
     """Disable the monitor first (pyzmq#626-style hangs otherwise), then close both, linger 0."""
     if mon is not None:
         try:

@@ -9,13 +9,14 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import cast
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from ectransport.control.base import ControlServer, Down, Event, PeerId, Received
+from ectransport.control.base import ControlServer, Down, PeerId, Received, ServerEvent
 from ectransport.control.keys import AllowList, is_z85_key
 from ectransport.control.zmq_common import (
     HANDSHAKE_FAILED,
@@ -169,8 +170,8 @@ class ZmqControlServer(ControlServer):
 
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
-        self._router: zmq.Socket | None = None
-        self._mon: zmq.Socket | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._mon: zmq.Socket[bytes] | None = None
         self._waker: Waker | None = None
         try:
             if not insecure:
@@ -213,12 +214,12 @@ class ZmqControlServer(ControlServer):
                         f"port {port} on {host} is in use (another producer running?); "
                         "choose another port or port=0 for an ephemeral one"
                     ) from None
-                if e.errno == errno.EADDRNOTAVAIL or e.errno == zmq.ENODEV:
+                if e.errno == errno.EADDRNOTAVAIL or e.errno == errno.ENODEV:
                     raise ConfigError(
                         f"cannot bind {host}:{port}: not an address of this host"
                     ) from None
                 raise ConfigError(f"cannot bind {host}:{port}: {e.strerror}") from None
-            last = r.getsockopt(zmq.LAST_ENDPOINT).decode()
+            last = r.getsockopt_string(zmq.LAST_ENDPOINT)
             self.host = host
             self.port = int(last.rsplit(":", 1)[1])
             self.endpoint = tcp_endpoint(bind_host, self.port)
@@ -256,7 +257,7 @@ class ZmqControlServer(ControlServer):
         """Peers that sent at least one frame and have not gone ``Down``."""
         return list(self._route_peer.values())
 
-    def poll(self, timeout_s: float) -> list[Event]:
+    def poll(self, timeout_s: float) -> list[ServerEvent]:
         if self._closed:
             return []
         try:
@@ -268,7 +269,7 @@ class ZmqControlServer(ControlServer):
         assert self._waker is not None
         if self._waker.fd in ready:
             self._waker.drain()
-        events: list[Event] = []
+        events: list[ServerEvent] = []
         now = time.monotonic()
         self._expire_gone(now)
         # Only the sockets the poller reported (level-triggered: what is left is reported again);
@@ -306,7 +307,7 @@ class ZmqControlServer(ControlServer):
         self._closed = True
         self._teardown()
 
-    def __enter__(self):
+    def __enter__(self) -> ZmqControlServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -331,7 +332,7 @@ class ZmqControlServer(ControlServer):
             if self._gone.get(route, now + 1) <= now:
                 del self._gone[route]
 
-    def _peer_down(self, peer: PeerId, events: list[Event]) -> None:
+    def _peer_down(self, peer: PeerId, events: list[ServerEvent]) -> None:
         self._route_peer.pop(peer.route, None)
         expiry = time.monotonic() + _GONE_ROUTE_S
         self._gone[peer.route] = expiry
@@ -340,7 +341,7 @@ class ZmqControlServer(ControlServer):
         log.info("consumer %s disconnected", peer.short())
         events.append(Down(peer))
 
-    def _drain_monitor(self, events: list[Event]) -> None:
+    def _drain_monitor(self, events: list[ServerEvent]) -> None:
         assert self._mon is not None
         for _ in range(MONITOR_DRAIN_MAX):
             try:
@@ -383,7 +384,7 @@ class ZmqControlServer(ControlServer):
             self._last_hs_log = now
         log.log(level, "control handshake failed on %s: %s", self.endpoint, why)
 
-    def _drain_router(self, events: list[Event], now: float) -> None:
+    def _drain_router(self, events: list[ServerEvent], now: float) -> None:
         r = self._router
         assert r is not None
         secure = not self.insecure
@@ -393,10 +394,12 @@ class ZmqControlServer(ControlServer):
             except zmq.Again:
                 return
             self._accept(frames, events, now, secure)
-            if not r.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a recv that fails
+            # EVENTS is an int option (pyzmq types every option int | bytes); cheaper than a
+            # recv that fails
+            if not cast(int, r.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
 
-    def _accept(self, frames: list[zmq.Frame], events: list[Event], now: float,
+    def _accept(self, frames: list[zmq.Frame], events: list[ServerEvent], now: float,
                 secure: bool) -> None:
         """Authenticate, rate-limit and queue one received [route, data] envelope."""
         if len(frames) != 2:
@@ -411,7 +414,7 @@ class ZmqControlServer(ControlServer):
         peer = self._route_peer.get(route)
         if secure:
             try:
-                user = msg.get("User-Id")
+                user = cast(str, msg.get("User-Id"))  # a str property; pyzmq types it int | str
             except zmq.ZMQError:
                 user = ""
             # validated once per connection (the route's first frame), not on every frame
@@ -436,7 +439,7 @@ class ZmqControlServer(ControlServer):
         self._limited.discard(bucket)
         events.append(Received(peer, msg.bytes))
 
-    def _track_fd(self, msg: zmq.Frame, peer: PeerId, events: list[Event]) -> None:
+    def _track_fd(self, msg: zmq.Frame, peer: PeerId, events: list[ServerEvent]) -> None:
         try:
             fd = int(msg.get(zmq.SRCFD))
         except (zmq.ZMQError, TypeError, ValueError):

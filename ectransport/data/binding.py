@@ -28,7 +28,7 @@ import ipaddress
 import itertools
 import socket
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -138,7 +138,10 @@ def endpoint_bytes(endpoint: HostEndpoint) -> bytes:
     return msgspec.msgpack.encode(endpoint)
 
 
-def bind_host_endpoint(plane: str, decoder: msgspec.msgpack.Decoder, endpoint: bytes, *,
+E = TypeVar("E", bound=HostEndpoint)
+
+
+def bind_host_endpoint(plane: str, decoder: msgspec.msgpack.Decoder[E], endpoint: bytes, *,
                        peer: str, host: str, identity: str) -> HostBinding | None:
     """Check a producer's declaration (``bind_peer`` of a host:port plane).
 

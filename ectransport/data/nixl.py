@@ -285,7 +285,7 @@ class NixlPlane(DataTransport):
     """
 
     name = "nixl"
-    capabilities = _LazyCapabilities()  # type: ignore[assignment]
+    capabilities = _LazyCapabilities()
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
         reject_unknown("nixl plane", options, _OPTIONS)

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -43,7 +43,17 @@ def new_token() -> bytes:
     return secrets.token_bytes(TOKEN_BYTES)
 
 
-def grant_token(decoder: msgspec.msgpack.Decoder, plane_grant: bytes) -> bytes | None:
+class _Tokened(Protocol):
+    """A plane grant: every one names its producer-side state by a random ``token``."""
+
+    @property
+    def token(self) -> bytes: ...
+
+
+G = TypeVar("G", bound=_Tokened)
+
+
+def grant_token(decoder: msgspec.msgpack.Decoder[G], plane_grant: bytes) -> bytes | None:
     """The ``token`` of a msgpack plane grant; None if it does not decode."""
     try:
         return decoder.decode(plane_grant).token
@@ -141,7 +151,7 @@ class Acceptor:
     """
 
     def __init__(self, listener: socket.socket, serve: Callable[[socket.socket], None], *,
-                 lock: threading.Lock, stats: collections.Counter, max_connections: int,
+                 lock: threading.Lock, stats: collections.Counter[str], max_connections: int,
                  log: logging.Logger, what: str, accept_name: str, serve_name: str,
                  nodelay: bool = False):
         self.listener = listener

@@ -217,7 +217,8 @@ class TcpPlane(DataTransport):
         # producer state
         self._grants: dict[bytes, _Served] = {}
         self._notifs = Notifications()
-        self.stats = collections.Counter()  # accepted, refused, served, aborted, unknown, bad
+        # accepted, refused, served, aborted, unknown, bad
+        self.stats: collections.Counter[str] = collections.Counter()
         # consumer state
         self._receives = Receives(self._lock, self._opt.max_inflight, "tcp plane")
         # pooled connections per (binding scope, host, port); scope 0 = unbound grants
@@ -361,6 +362,7 @@ class TcpPlane(DataTransport):
             grant = grant_decoder.decode(plane_grant)
         except (msgspec.DecodeError, TypeError) as exc:
             raise DataPlaneError(f"malformed tcp grant ({len(plane_grant)} bytes): {exc}") from exc
+        addrs: tuple[str, ...]
         if prepared is None:
             self._warn_unbound(grant)
             key, addrs, node = (0, grant.host, grant.port), (grant.host,), grant.node
@@ -538,6 +540,9 @@ class TcpPlane(DataTransport):
                         raise
                     close_quietly(sock)  # a stale pooled connection: retry once on a fresh one
                     sock = None
+            # the second attempt is on a fresh connection, whose failure re-raises: the loop
+            # only ends by a break, with a connection
+            assert sock is not None
             length = int.from_bytes(head, "big")
             if not 0 < length <= MAX_HEADER_BYTES:
                 raise DataPlaneError(f"producer reply header of {length} bytes")

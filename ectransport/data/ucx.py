@@ -467,7 +467,7 @@ class UcxPlane(DataTransport):
         self._submit("start", t)
         return t
 
-    def check(self, handle: Any) -> XferState:
+    def check(self, handle: _Transfer) -> XferState:
         """PROC, DONE or ERR (non-blocking)."""
         return handle.state
 
@@ -737,7 +737,7 @@ class UcxPlane(DataTransport):
         else:
             t.done.set()
 
-    def _drop_peer(self, key: tuple[str, int], why: str) -> None:
+    def _drop_peer(self, key: Key, why: str) -> None:
         ep = self._eps.pop(key, None)
         if ep is not None:
             self._close_ep(ep)

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ectransport.errors import ConfigError
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 #: Fetch latency: from sub-millisecond (a hot entry on loopback) to the 30 s default deadline.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -31,7 +36,8 @@ BYTES_BUCKETS = tuple(float(1 << k) for k in range(19, 29))
 DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
 
 
-def _prom():
+def _prom() -> ModuleType:
+    """The ``prometheus_client`` module (an optional dependency, imported on first use)."""
     try:
         import prometheus_client
     except ImportError as e:
@@ -54,7 +60,7 @@ class Metrics:
     def __init__(self, registry: Any = None):
         pc = _prom()
         self.registry = registry if registry is not None else pc.REGISTRY
-        self._nodes: list[weakref.ref] = []
+        self._nodes: list[weakref.ref[Any]] = []
         self._lock = threading.Lock()
         self._server: Any = None
         r = self.registry
@@ -172,11 +178,12 @@ class _SnapshotCollector:
     def __init__(self, metrics: Metrics):
         self._metrics = metrics
 
-    def describe(self):
-        return list(self._families({}, {}))
+    def describe(self) -> list[Metric]:
+        return list(self._families([], []))
 
-    def collect(self):
-        producers, consumers = [], []
+    def collect(self) -> list[Metric]:
+        producers: list[dict[str, Any]] = []
+        consumers: list[dict[str, Any]] = []
         for node in self._metrics.nodes():
             try:
                 snap = node.snapshot()
@@ -186,10 +193,13 @@ class _SnapshotCollector:
         return list(self._families(producers, consumers))
 
     @staticmethod
-    def _families(producers, consumers):
+    def _families(producers: list[dict[str, Any]], consumers: list[dict[str, Any]]
+                  ) -> Iterator[Metric]:
+        """Every family, from the nodes' snapshots (``ProducerNode.snapshot()`` dicts)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        def total(snaps, *keys):
+        def total(snaps: Iterable[dict[str, Any]], *keys: str) -> int:
+            """Sum over ``snaps`` of ``snap[keys[0]][keys[1]]...`` (missing: 0)."""
             out = 0
             for s in snaps:
                 v: Any = s
@@ -277,7 +287,7 @@ class _SnapshotCollector:
         g = GaugeMetricFamily("ectransport_plane_info",
                               "Data planes in use and what runs underneath (e.g. UCX transports)",
                               labels=["role", "plane", "transport"])
-        seen = set()
+        seen: set[tuple[str, str, str]] = set()
         for s in (*producers, *consumers):
             for plane, transport in s.get("planes", {}).items():
                 key = (s["role"], plane, transport)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ectransport.control.base import AuthFailed, ControlClient, Down, Received, Up
 from ectransport.data.base import DataTransport, identity_of
 from ectransport.data.registry import load_plane
 from ectransport.errors import (
@@ -50,6 +51,7 @@ from ectransport.node.common import Layout, Security, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import (
     Bind,
+    Command,
     ConsumerConfig,
     ConsumerSession,
     Landed,
@@ -229,7 +231,7 @@ class ConsumerNode:
         if unknown := sorted(set(extra) - allowed):
             raise ConfigError(f"unknown session option(s) {unknown}; known: {sorted(allowed)}")
         self._planes: dict[str, DataTransport] = {}
-        self._control = None
+        self._control: ControlClient | None = None  # set below; None only if __init__ fails
         try:
             for name in planes:
                 opts = dict((plane_options or {}).get(name, {}))
@@ -403,6 +405,7 @@ class ConsumerNode:
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
         control = self._control
+        assert control is not None
         fresh = True  # events may have queued while parked: step once before parking again
         while not self._stop.is_set():
             with self._drive:
@@ -453,7 +456,7 @@ class ConsumerNode:
         else:
             self._wake_loop()
 
-    def _guarded_step(self, control, wait: float | None = None) -> None:
+    def _guarded_step(self, control: ControlClient, wait: float | None = None) -> None:
         try:
             self._step(control, wait)
         except Exception:
@@ -467,6 +470,7 @@ class ConsumerNode:
         whatever is left. Events that queued while the loop was parked are handled in the
         first poll after the XferReq is sent (the session copes with them at any point)."""
         control = self._control
+        assert control is not None
         try:
             self._start(producer, mm_hash, deadline, fut, time.monotonic())
         except Exception as e:  # as the I/O thread would: log, and this fetch ends as a miss
@@ -486,9 +490,10 @@ class ConsumerNode:
     def _wake_loop(self) -> None:
         """Un-park the I/O thread and interrupt whichever thread is in the control poll."""
         self._kick.set()
+        assert self._control is not None
         self._control.wake()
 
-    def _step(self, control, wait: float | None = None) -> None:
+    def _step(self, control: ControlClient, wait: float | None = None) -> None:
         """One round: poll the control plane (``wait`` seconds, default: until the next session
         deadline, or not at all while a transfer is in flight), then the inbox, the events, the
         in-flight transfers and the session timers."""
@@ -508,24 +513,24 @@ class ConsumerNode:
             else:
                 self._start_connect(producer, deadline, fut, now)
         for ev in events:
-            kind = type(ev).__name__
-            conn = getattr(ev, "source", None) or getattr(ev, "conn", None)
+            conn = ev.conn if isinstance(ev, (Up, AuthFailed)) else ev.source
             s = self._sessions.get(conn)
             if s is None:
                 continue
-            if kind == "Received":
+            if isinstance(ev, Received):
                 was = s.welcomed
                 self._execute(s, s.on_frame(ev.data, now), now)
                 if s.welcomed and not was:
+                    assert s.plane is not None  # a Welcome names the plane
                     log.info("producer %s (%s): protocol v%s, data plane %s (%s)", conn,
                              s.producer_id, s.version, s.plane,
                              self._planes[s.plane].describe_transport())
-            elif kind == "Up":
+            elif isinstance(ev, Up):
                 self._execute(s, s.on_up(now), now)
-            elif kind == "AuthFailed":
+            elif isinstance(ev, AuthFailed):
                 log.info("authentication with producer %s failed: %s", conn, ev.reason)
                 self._execute(s, s.on_auth_failed(ev.reason, now), now)
-            elif kind == "Down":
+            elif isinstance(ev, Down):
                 self._execute(s, s.on_peer_down(now), now)
         for s in list(self._sessions.values()):
             plane = self._planes.get(s.plane) if s.plane else None
@@ -575,6 +580,7 @@ class ConsumerNode:
     def _session_for(self, producer: ProducerAddress, now: float) -> ConsumerSession:
         s = self._sessions.get(producer.key)
         if s is None:
+            assert self._control is not None
             conn = self._control.connect(producer.host, producer.port, producer.public_key)
             s = ConsumerSession(self.config, conn, self.store, now, observer=self._observe)
             self._sessions[conn] = s
@@ -616,11 +622,14 @@ class ConsumerNode:
         else:
             self._connecting.pop(s.conn, None)
 
-    def _execute(self, s: ConsumerSession, cmds: list, now: float) -> None:
+    def _execute(self, s: ConsumerSession, cmds: list[Command], now: float) -> None:
+        control = self._control
+        assert control is not None
         for c in cmds:
             if isinstance(c, Send):
-                self._control.send(c.peer, c.data)
+                control.send(c.peer, c.data)
             elif isinstance(c, PostRead):
+                assert s.plane is not None  # reads are posted on the negotiated plane only
                 plane = self._planes[s.plane]
                 try:
                     handle = plane.start(c.prepared, c.plane_grant, c.runs, c.nbytes, c.notif)
@@ -677,8 +686,11 @@ class ConsumerNode:
                 owner = (ctypes.c_uint8 * e.nbytes).from_address(
                     self.region.addr + e.runs[0].start * self.region.block_bytes
                 ) if e.nbytes else None
-                data = np.frombuffer(owner, dtype=np.uint8) if owner is not None else \
-                    np.empty(0, dtype=np.uint8)
+                if owner is not None:
+                    # numpy's stub omits ctypes arrays, which do export the buffer protocol
+                    data = np.frombuffer(owner, dtype=np.uint8)  # type: ignore[call-overload]
+                else:
+                    data = np.empty(0, dtype=np.uint8)
                 if owner is not None:
                     weakref.finalize(owner, self._release_later, e.mm_hash, e.entry_id)
                 else:
@@ -753,6 +765,7 @@ class ConsumerNode:
     def _drop(self, s: ConsumerSession) -> None:
         self._sessions.pop(s.conn, None)
         self._producers.pop(s.conn, None)
+        assert self._control is not None
         self._control.disconnect(s.conn)
         if s.plane and s.binding is not None:  # drops only this session's data-plane state
             self._planes[s.plane].unbind_peer(s.binding)

@@ -20,13 +20,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ectransport.control.base import ControlServer
+from ectransport.control.base import ControlServer, Down, Received
 from ectransport.data.base import DataTransport, TransferModel, identity_of
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
-from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send
+from ectransport.session import Command, ProducerConfig, ProducerSession, Revoke, Send
 from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
 
 log = logging.getLogger("ectransport.node.producer")
@@ -121,7 +121,7 @@ class ProducerNode:
         self.region = region_for(layout, region_bytes, region)
         self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
-        self._control = None
+        self._control: ControlServer | None = None  # set below; None only if __init__ fails
         self._allow = None
         try:
             for name in planes:
@@ -177,10 +177,12 @@ class ProducerNode:
     # -- public API ----------------------------------------------------------------------------
     @property
     def host(self) -> str:
+        assert self._control is not None
         return self._control.host
 
     @property
     def port(self) -> int:
+        assert self._control is not None
         return self._control.port
 
     def plane_transports(self) -> dict[str, str]:
@@ -337,19 +339,19 @@ class ProducerNode:
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
         control = self._control
+        assert control is not None
         last_sweep = 0.0
         while not self._stop.is_set():
             try:
                 events = control.poll(0.02)
-                cmds = []
+                cmds: list[Command] = []
                 with self._lock:
                     now = time.monotonic()
                     for ev in events:
-                        kind = type(ev).__name__
-                        if kind == "Received":
+                        if isinstance(ev, Received):
                             cmds += self.session.on_frame(ev.source, ev.data, now,
                                                           user=ev.source.user)
-                        elif kind == "Down":
+                        elif isinstance(ev, Down):
                             cmds += self.session.on_peer_down(ev.source, now)
                 self._perform(cmds)  # answers first: the consumer waits for them
                 cmds = []
@@ -367,11 +369,13 @@ class ProducerNode:
                 log.exception("unexpected producer loop error (continuing)")
                 time.sleep(0.01)
 
-    def _perform(self, cmds: list) -> None:
+    def _perform(self, cmds: list[Command]) -> None:
         """Carry out the session's commands on the I/O thread (sends, grant revocations)."""
+        control = self._control
+        assert control is not None
         for c in cmds:
             if isinstance(c, Send):
-                self._control.send(c.peer, c.data)
+                control.send(c.peer, c.data)
             elif isinstance(c, Revoke):
                 plane = self._planes.get(c.plane)
                 if plane is not None:

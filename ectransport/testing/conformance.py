@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -274,7 +274,10 @@ class PlaneConformance:
         return plane_class
 
     @pytest.fixture
-    def make_plane(self, checked_class, plane_options):
+    def make_plane(self, checked_class: type[DataTransport], plane_options: dict[str, Any]
+                   ) -> Iterator[Callable[..., DataTransport]]:
+        """``make(node_id, region, identity="")``: a plane of the class under test, closed at
+        teardown."""
         made: list[DataTransport] = []
 
         def make(node_id: str, region: HostRegion, identity: str = "") -> DataTransport:

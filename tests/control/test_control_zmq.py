@@ -267,6 +267,13 @@ def test_port_in_use_is_config_error(server_keys):
         ZmqControlServer(LOCAL, first.port, secret_key=server_keys.secret)
 
 
+def test_unknown_interface_is_config_error():
+    # libzmq reports the system's ENODEV for an interface name it cannot find (pyzmq has no
+    # zmq.ENODEV: this once raised AttributeError)
+    with pytest.raises(ConfigError, match="not an address of this host"):
+        ZmqControlServer("nosuchif0", 0, insecure=True)
+
+
 def test_close_is_idempotent(server_keys, client_keys):
     server = ZmqControlServer(LOCAL, 0, secret_key=server_keys.secret)
     client = ZmqControlClient(secret_key=client_keys.secret)
