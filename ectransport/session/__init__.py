@@ -12,11 +12,18 @@ from ectransport.session.commands import (
     Revoke,
     Send,
 )
-from ectransport.session.consumer import ConsumerConfig, ConsumerSession, FetchState
+from ectransport.session.consumer import (
+    ConsumerConfig,
+    ConsumerSession,
+    FetchState,
+    IllegalTransition,
+    Link,
+)
 from ectransport.session.producer import ProducerConfig, ProducerSession, notif_for, parse_notif
 
 __all__ = [
-    "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "Landed", "Miss", "MissReason",
+    "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "IllegalTransition",
+    "Landed", "Link", "Miss", "MissReason",
     "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke", "Send",
     "notif_for", "parse_notif",
 ]

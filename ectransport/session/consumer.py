@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ectransport.errors import ProtocolError
 from ectransport.protocol import (
     RETRYABLE,
     SUPPORTED_VERSIONS,
@@ -92,6 +93,48 @@ MAX_LEASE_S = 86400.0
 MIN_LEASE_S = 0.1
 #: How often one fetch asks again after a grant arrived past its validity window.
 MAX_LATE_GRANTS = 3
+
+
+class Link(enum.Enum):
+    """Connection state of a :class:`ConsumerSession` (ECTP §8.1); see :data:`LINK_TRANSITIONS`.
+
+    Orthogonal to it: the peer quarantine (``blocked_until``), after which the next fetch
+    re-sends Hello as a probe (READY → GREETING, the negotiated version kept).
+    """
+
+    DOWN = "down"  #: no authenticated control connection (initial; after the connection dropped)
+    GREETING = "greeting"  #: Hello sent, Welcome awaited
+    BINDING = "binding"  #: Welcome OK; the node binds the producer's declared endpoint
+    READY = "ready"  #: negotiated and bound: requests flow
+    FAILED = "failed"  #: terminal: auth, version, incompatible, endpoint refused, closing
+
+
+#: (state, event) → next state, for the events the node (or the session itself) drives. A
+#: combination not listed is illegal: the session raises :class:`IllegalTransition` (h11's rule)
+#: instead of silently proceeding. Frames from the network are never "illegal events": one that
+#: does not fit the state (a second Welcome, an ack for nothing) is hostile or late input and is
+#: ignored or refused, never raised.
+LINK_TRANSITIONS: dict[tuple[Link, str], Link] = {
+    **{(st, "up"): Link.GREETING for st in (Link.DOWN, Link.GREETING, Link.BINDING, Link.READY)},
+    (Link.FAILED, "up"): Link.FAILED,
+    **{(st, "down"): Link.DOWN for st in (Link.DOWN, Link.GREETING, Link.BINDING, Link.READY)},
+    (Link.FAILED, "down"): Link.FAILED,
+    (Link.READY, "probe"): Link.GREETING,
+    (Link.GREETING, "probe"): Link.GREETING,
+    (Link.GREETING, "welcome_ok"): Link.BINDING,
+    (Link.BINDING, "bound"): Link.READY,
+    **{(st, "fail"): Link.FAILED for st in Link},
+}
+
+
+class IllegalTransition(ProtocolError):
+    """The node drove a :class:`ConsumerSession` with an event its state does not allow (e.g. a
+    binding answered twice); the message names the state and the event."""
+
+    def __init__(self, state: Link, event: str):
+        super().__init__(f"consumer session: event {event!r} is illegal in state {state.name}")
+        self.state = state
+        self.event = event
 
 
 class FetchState(enum.Enum):
@@ -217,7 +260,7 @@ class ConsumerSession:
         self.blocked_until = 0.0  # peer quarantine
         self.blocked_reason = ""
         self._backoff = config.peer_backoff_s
-        self._connected = False
+        self.link = Link.DOWN
         self._probe_due = False  # re-Hello before the next fetch (quarantine ended)
         self._hello_deadline = float("inf")  # set while a Hello is unanswered
         self._next_renew = float("inf")
@@ -234,7 +277,23 @@ class ConsumerSession:
     # -- queries -------------------------------------------------------------------------------
     @property
     def welcomed(self) -> bool:
+        """A protocol version was negotiated on the current connection (READY, or a probe)."""
         return self.version is not None
+
+    @property
+    def _connected(self) -> bool:
+        return self.link in (Link.GREETING, Link.BINDING, Link.READY)
+
+    def _go(self, event: str) -> None:
+        """Apply ``event`` to :attr:`link` per :data:`LINK_TRANSITIONS`.
+
+        Raises:
+            IllegalTransition: the pair is not in the table.
+        """
+        nxt = LINK_TRANSITIONS.get((self.link, event))
+        if nxt is None:
+            raise IllegalTransition(self.link, event)
+        self.link = nxt
 
     def in_flight(self) -> int:
         return len(self._fetches) + len(self._quarantine)
@@ -263,9 +322,9 @@ class ConsumerSession:
 
     # -- events --------------------------------------------------------------------------------
     def on_up(self, now: float) -> list[Command]:
-        """The control connection is up and authenticated: say Hello."""
-        self._connected = True
-        return self._hello(now)
+        """The control connection is up and authenticated: say Hello (nothing once failed)."""
+        self._go("up")
+        return [] if self.link is Link.FAILED else self._hello(now)
 
     def fetch(self, mm_hash: str, now: float, deadline: float) -> list[Command]:
         """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest."""
@@ -293,20 +352,21 @@ class ConsumerSession:
         if mm_hash in self._fetches or mm_hash in self._quarantine:
             return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
         cmds: list[Command] = []
-        probing = self._probe_due and self._connected
-        if probing and not any(x.state is FetchState.QUEUED for x in self._fetches.values()):
-            cmds += self._hello(now)  # probe a producer whose quarantine just ended
+        if (self._probe_due and self.link in (Link.READY, Link.GREETING)
+                and not any(x.state is FetchState.QUEUED for x in self._fetches.values())):
+            cmds += self._probe(now)  # probe a producer whose quarantine just ended
         f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now)
         self._fetches[mm_hash] = f
-        if self.welcomed and not probing:
+        if self.link is Link.READY:  # else it waits: sent once the session is READY (again)
             cmds += self._send_req(f, now)
         return cmds
 
     def fetch_probe(self, now: float) -> list[Command]:
         """Probe a producer whose quarantine ended (Hello), without a fetch."""
-        if not self._probe_due or not self._connected or now < self.blocked_until:
+        if (not self._probe_due or self.link not in (Link.READY, Link.GREETING)
+                or now < self.blocked_until):
             return []
-        return self._hello(now)
+        return self._probe(now)
 
     def on_auth_failed(self, reason: str, now: float) -> list[Command]:
         return self._fail_session(Miss("", MissReason.AUTH, reason))
@@ -315,7 +375,8 @@ class ConsumerSession:
         """The producer went away: waiting fetches miss (retryable), reading ones are quarantined,
         and the producer is quarantined."""
         cmds: list[Command] = []
-        was_connected, self._connected = self._connected, False  # no XferDone to a dead peer
+        was_connected = self._connected
+        self._go("down")  # first: no XferDone to a dead peer
         for f in list(self._fetches.values()):
             if f.state is FetchState.READING:
                 cmds += self._quarantine_fetch(
@@ -451,6 +512,10 @@ class ConsumerSession:
         return cmds
 
     # -- internals -----------------------------------------------------------------------------
+    def _probe(self, now: float) -> list[Command]:
+        self._go("probe")
+        return self._hello(now)
+
     def _hello(self, now: float) -> list[Command]:
         self._hello_deadline = now + self.config.hello_timeout_s  # inf again once answered
         hello = Hello(
@@ -522,8 +587,8 @@ class ConsumerSession:
         return [Send(self.conn, encode(req))]
 
     def _on_welcome(self, msg: Welcome, now: float) -> list[Command]:
-        if msg.session_id != self.session_id or (self.welcomed and not self._probe_due):
-            return []
+        if msg.session_id != self.session_id or self.link is not Link.GREETING:
+            return []  # not ours, or not awaited (a duplicate or late Welcome): ignored
         if msg.status is not Status.OK:
             reason = _NACK_REASON.get(msg.status, MissReason.INTERNAL)
             return self._fail_session(Miss("", reason, msg.detail or msg.status.name))
@@ -542,15 +607,20 @@ class ConsumerSession:
                 f"producer switched its data plane from {self.plane!r} to {msg.plane!r} while "
                 f"transfers were in flight"))
         self._welcome = msg
+        self._go("welcome_ok")
         self._hello_deadline = float("inf")  # answered; the node binds at once
         return [Bind(msg.plane, msg.endpoint)]
 
     def on_bound(self, binding: Any, now: float) -> list[Command]:
         """The node's plane accepted the Welcome's endpoint: the session is usable; queued fetches
-        send their requests. A stale call (no Welcome awaiting its binding) does nothing."""
+        send their requests.
+
+        Raises:
+            IllegalTransition: no binding was asked for (the session is not BINDING).
+        """
         msg, self._welcome = self._welcome, None
-        if msg is None:
-            return []
+        self._go("bound")
+        assert msg is not None  # BINDING always holds its Welcome
         self.binding = binding
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
         if self.blocked_until:
@@ -567,9 +637,13 @@ class ConsumerSession:
     def on_bind_failed(self, detail: str, now: float) -> list[Command]:
         """The node's plane refused the Welcome's endpoint (malformed, or naming what this
         producer cannot own): this session fails — every fetch from this producer misses with
-        INCOMPATIBLE — and no other producer is affected."""
-        if self._welcome is None:
-            return []
+        INCOMPATIBLE — and no other producer is affected.
+
+        Raises:
+            IllegalTransition: no binding was asked for (the session is not BINDING).
+        """
+        if self.link is not Link.BINDING:
+            raise IllegalTransition(self.link, "bind_failed")
         self._welcome = None
         return self._fail_session(
             Miss("", MissReason.INCOMPATIBLE, f"producer's data-plane endpoint refused: {detail}"))
@@ -742,9 +816,10 @@ class ConsumerSession:
         if self.observer is not None:
             self.observer(event, {"peer": self.conn, "session_id": self.session_id, **fields})
 
-    def _fail_session(self, miss: Miss, terminal: bool = True) -> list[Command]:
-        if terminal:
-            self.failed = miss
+    def _fail_session(self, miss: Miss) -> list[Command]:
+        """Terminal: every fetch misses (reading ones are quarantined, their grants given back
+        while the connection is up), then the session is FAILED."""
+        self.failed = miss
         cmds: list[Command] = []
         for f in list(self._fetches.values()):
             if f.state is FetchState.READING:
@@ -752,6 +827,8 @@ class ConsumerSession:
             else:
                 del self._fetches[f.mm_hash]
                 cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
+        self._welcome = None
+        self._go("fail")
         return cmds
 
 

@@ -120,6 +120,31 @@ class _Grant:
     issued: float = 0.0  # when the grant was issued (observability only)
 
 
+@dataclass(frozen=True)
+class GrantView:
+    """A live grant as :meth:`ProducerSession.grants` reports it: a read-only copy.
+
+    Attributes:
+        key: ``(session_id, mm_hash, grant_id)``.
+        peer: the control-plane peer it was granted to.
+        identity: the budget identity charged (CURVE key, else the session id).
+        entry_id: the pinned entry's allocation id in the store.
+        nbytes: payload bytes; ``pinned_bytes``: whole blocks charged to ``identity``.
+        deadline: when the lease ends (session time, seconds; renewals move it).
+        plane / plane_grant: the data plane and its grant bytes (as ``Revoke`` will name them).
+    """
+
+    key: tuple[str, str, int]
+    peer: Any
+    identity: str
+    entry_id: int
+    nbytes: int
+    pinned_bytes: int
+    deadline: float
+    plane: str
+    plane_grant: bytes
+
+
 class ProducerSession:
     """Grants access to entries of ``store`` (see module docstring).
 
@@ -207,6 +232,11 @@ class ProducerSession:
     def grant_keys(self) -> list[tuple[str, str, int]]:
         return list(self._grants)
 
+    def grants(self) -> list[GrantView]:
+        """Every live grant (not those ended and held back for their grace period), as copies."""
+        return [GrantView(g.key, g.peer, g.identity, g.entry_id, g.nbytes, g.pinned_bytes,
+                          g.deadline, g.plane, g.plane_grant) for g in self._grants.values()]
+
     @property
     def grace_pins(self) -> int:
         """Pins held back after grants that ended without a confirmed completion (module
@@ -215,8 +245,9 @@ class ProducerSession:
 
     def check_invariants(self) -> None:
         """Assert the session's bookkeeping is consistent (for tests and debugging): every grant
-        is indexed by its peer and its (session, mm_hash), every pinned byte is accounted to an
-        identity, and every grant and grace pin holds a pin of a live entry of the same id.
+        is indexed by its peer and its (session, mm_hash) and by nothing else, every session id
+        names the peer that holds it, every pinned byte is accounted to an identity, and every
+        grant and grace pin holds a pin of a live entry of the same id.
 
         Raises:
             AssertionError: naming the first inconsistency found.
@@ -229,6 +260,13 @@ class ProducerSession:
             assert st is not None and key in st.grants, f"grant {key} has no peer"
             by_identity[g.identity] = by_identity.get(g.identity, 0) + g.pinned_bytes
             pins[(key[1], g.entry_id)] = pins.get((key[1], g.entry_id), 0) + 1
+        assert len(self._live) == len(self._grants), f"{len(self._live)} live index entries"
+        indexed = sum(len(st.grants) for st in self._peers.values())
+        assert indexed == len(self._grants), f"{indexed} grants indexed by peers"
+        for sid, peer in self._sessions.items():
+            st = self._peers.get(peer)
+            assert st is not None and st.session_id == sid, f"session {sid} has no peer"
+        assert len(self._sessions) == len(self._peers), "a peer without its session id"
         for _, mm_hash, entry_id, identity, nbytes in self._grace:
             pins[(mm_hash, entry_id)] = pins.get((mm_hash, entry_id), 0) + 1
             by_identity[identity] = by_identity.get(identity, 0) + nbytes

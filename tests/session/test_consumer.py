@@ -552,3 +552,37 @@ def test_grants_that_always_arrive_late_end_in_a_miss_not_a_request_storm():
     assert asked == MAX_LATE_GRANTS
     (m,) = reports(out)
     assert m.reason is MissReason.TIMEOUT and "validity window" in m.detail
+
+
+# -- issue 15: the connection state is an explicit enum with a transition table (h11's rule) ------
+def test_connection_states_follow_the_table():
+    from ectransport.session import Bind, Link
+
+    p, pstore = make_producer()
+    c = make_consumer()
+    assert c.link is Link.DOWN
+    (hello,) = c.on_up(0.0)
+    assert c.link is Link.GREETING
+    (welcome,) = p.on_frame("peer1", hello.data, 0.0)
+    (bind,) = c.on_frame(welcome.data, 0.0)
+    assert isinstance(bind, Bind) and c.link is Link.BINDING
+    assert c.on_frame(welcome.data, 0.0) == []  # a duplicate Welcome is input, not an event
+    assert c.on_bound("b", 0.0) == [] and c.link is Link.READY
+    c.on_peer_down(1.0)
+    assert c.link is Link.DOWN and not c.welcomed
+    c.on_auth_failed("bad key", 2.0)
+    assert c.link is Link.FAILED
+    assert c.on_up(3.0) == [] and c.link is Link.FAILED  # terminal: no Hello any more
+
+
+@pytest.mark.parametrize("event", ["on_bound", "on_bind_failed"])
+def test_a_bind_answer_out_of_state_raises_naming_state_and_event(event):
+    from ectransport.session import IllegalTransition, Link
+
+    p, pstore = make_producer()
+    c = make_consumer()
+    connected(p, c)  # bound once: READY
+    with pytest.raises(IllegalTransition) as ei:
+        getattr(c, event)(*(("b", 1.0) if event == "on_bound" else ("refused", 1.0)))
+    assert ei.value.state is Link.READY and "READY" in str(ei.value)
+    assert ei.value.event in ("bound", "bind_failed") and c.link is Link.READY

@@ -53,10 +53,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from ectransport.protocol import FrameError, Hello, Renew, XferAck, XferDone, XferReq, decode
-from ectransport.session import (
+from ectransport.session import (  # noqa: E402 - binding (issue 17)
+    Bind,
     ConsumerConfig,
     ConsumerSession,
+    IllegalTransition,
     Landed,
+    Link,
     Miss,
     PostRead,
     Release,
@@ -64,11 +67,6 @@ from ectransport.session import (
     Send,
 )
 from ectransport.store import BlockStore
-
-try:  # binding the producer's data-plane endpoint (issue 17): handled when the session asks
-    from ectransport.session import Bind
-except ImportError:  # pragma: no cover - sessions that do not bind
-    Bind = None
 
 from .helpers import BLOCK, COMPAT
 from .test_fuzz_producer import ENC, base_frames, fuzz_frames, fuzz_seed, mutate, random_value
@@ -298,15 +296,15 @@ class Harness:
             elif isinstance(c, PostRead):
                 assert self.open.get((conn, c.key)), f"PostRead for {c.key!r}, not in flight"
                 assert sum(r.count for r in c.runs) == self.store.blocks_for(c.nbytes), c
-                if Bind is not None:  # the binding of this producer, never a stale one
-                    assert any(c.prepared is b for b in self.bindings[conn]), \
-                        f"PostRead without a binding given in answer to its Bind: {c}"
+                # the binding of this producer, never a stale one
+                assert any(c.prepared is b for b in self.bindings[conn]), \
+                    f"PostRead without a binding given in answer to its Bind: {c}"
                 assert self.feeding is not None, f"PostRead outside an ack: {c}"
                 assert self.feeding[0] < INF, f"PostRead for {c.key!r}, never requested"
                 self.window[(conn, c.key)] = self.feeding[0] + self.feeding[1]
                 self.stats["PostRead"] += 1
                 self.post(conn, c)
-            elif Bind is not None and isinstance(c, Bind):
+            elif isinstance(c, Bind):
                 self.bind(conn)
             elif isinstance(c, Release):
                 assert c.handle in self.issued, f"Release of a handle never handed out: {c}"
@@ -369,17 +367,30 @@ class Harness:
         r = self.rng.random()
         if r < 0.8:
             self.note(conn, "  on_bound")
-            self.bound(conn, Binding())
+            self.answer_bind(conn, Binding())
         elif r < 0.85:
             self.note(conn, "  on_bind_failed")
-            self.run(conn, self.sessions[conn].on_bind_failed("fuzz: endpoint refused", self.now))
+            self.answer_bind(conn, None)
         else:
             self.unbound.append(conn)
 
-    def bound(self, conn: str, binding: Binding) -> None:
-        if not binding.stale:
+    def answer_bind(self, conn: str, binding: Binding | None) -> None:
+        """Answer a Bind (``None``: the plane refused the endpoint). Legal only while the session
+        is BINDING; any other answer (stale, or after the session moved on) must raise
+        IllegalTransition (h11's rule) and change nothing."""
+        s = self.sessions[conn]
+        legal = s.link is Link.BINDING
+        try:
+            cmds = (s.on_bound(binding, self.now) if binding is not None
+                    else s.on_bind_failed("fuzz: endpoint refused", self.now))
+        except IllegalTransition:
+            assert not legal, f"a bind answer in state BINDING raised ({conn})"
+            self.stats["illegal_bind_answers"] += 1
+            return
+        assert legal, f"a bind answer in state {s.link.name} was accepted ({conn})"
+        if binding is not None:
             self.bindings[conn].append(binding)
-        self.run(conn, self.sessions[conn].on_bound(binding, self.now))
+        self.run(conn, cmds)
 
     def handle(self) -> int:
         self.next_handle += 1
@@ -469,16 +480,14 @@ class Harness:
         elif r < 0.92:
             self.note(conn, "on_up")
             self.run(conn, s.on_up(self.now))
-        elif r < 0.94 and Bind is not None:  # a deferred answer to Bind, or one to no Bind at all
+        elif r < 0.94:  # a deferred answer to Bind, or one to no Bind at all
             stale = conn not in self.unbound
             if not stale:
                 self.unbound.remove(conn)
-            if rng.random() < 0.9:
-                self.note(conn, f"on_bound ({'stale' if stale else 'deferred'})")
-                self.bound(conn, Binding(stale))
-            else:
-                self.note(conn, f"on_bind_failed ({'stale' if stale else 'deferred'})")
-                self.run(conn, s.on_bind_failed("fuzz: endpoint refused", self.now))
+            ok = rng.random() < 0.9
+            self.note(conn, f"on_{'bound' if ok else 'bind_failed'} "
+                            f"({'stale' if stale else 'deferred'})")
+            self.answer_bind(conn, Binding(stale) if ok else None)
         elif r < 0.9405:
             self.note(conn, "on_auth_failed")
             self.run(conn, s.on_auth_failed("fuzz", self.now))
