@@ -11,6 +11,9 @@ lives in the nodes and sessions.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -70,6 +73,8 @@ class SchedulerDelegate:
                               f"roles: one block is one row of {layout.hidden} {layout.dtype} "
                               f"({layout.block_bytes} bytes)")
         self.region = SharedRegion(region_path(settings.shm_dir, key), total, layout.block_bytes)
+        self._handlers: dict[int, Any] = {}
+        self._unlink_on_termination()
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
         self.local: LocalTier | None = None
@@ -95,6 +100,41 @@ class SchedulerDelegate:
         except BaseException:
             self.shutdown()
             raise
+
+    def _unlink_on_termination(self) -> None:
+        """Remove the region file's name as soon as SIGTERM / SIGINT arrives, then run the
+        handler that was there (vLLM's engine-core shutdown). vLLM's process manager kills an
+        engine core that is not gone 5 s after its SIGTERM, and its own teardown (waiting for the
+        workers) can take that long before the connector's ``shutdown`` runs. Only possible in
+        the main thread; the previous handlers come back at :meth:`shutdown`."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        region = self.region
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            prev = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, prev: Any = prev) -> None:
+                region.unlink()
+                if callable(prev):
+                    prev(signum, frame)
+                elif prev == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                continue
+            self._handlers[sig] = (handler, prev)
+
+    def _restore_handlers(self) -> None:
+        for sig, (handler, prev) in getattr(self, "_handlers", {}).items():
+            try:
+                if signal.getsignal(sig) is handler:
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._handlers = {}
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
@@ -169,7 +209,8 @@ class SchedulerDelegate:
         then unmap the region. Idempotent."""
         if getattr(self, "region", None) is not None:
             self.region.unlink()
-        if self.local is not None:
+        self._restore_handlers()
+        if getattr(self, "local", None) is not None:
             self.local.close()
             self.local = None
         for side in (self.consumer, self.producer):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from _engine import HIDDEN, Engine, encoder_output, make_request
-from conftest import model_extra, wait_for
+from conftest import wait_for
 
 _ids = itertools.count()
 
@@ -155,3 +155,27 @@ def test_local_tier_encoder_only_skips_the_encoder(engines, producer_extra):
     assert p.finished[f"{h}-2"].source[h] == "loaded"  # not encoded: taken from the region
     assert h in p.finished[f"{h}-2"].params  # and announced again
     assert wait_for(lambda: not p.sched.has_pending_push_work(), 2.0)
+
+
+def test_sigterm_removes_the_region_file_at_once(producer_extra, tmp_path):
+    """vLLM's process manager kills an engine core 5 s after SIGTERM, possibly before the
+    connector's shutdown ran: the region file's name must go when the signal arrives."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(f"""
+        import json, os, signal, sys, time
+        sys.path.insert(0, {here!r})
+        from _engine import Engine
+        e = Engine("ec_producer", json.loads({json.dumps(json.dumps(producer_extra))}), "x")
+        print(e.sched._scheduler.region.path, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)   # default disposition after ours: the process dies
+        time.sleep(30)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    path = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == -15, r.stderr[-2000:]
+    assert path.endswith(".region") and not os.path.exists(path), "region file left behind"

@@ -5,6 +5,7 @@ processes and region files cleaned up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -61,12 +62,37 @@ def model_dir(tmp_path_factory) -> str:
     return make_model(str(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl"))
 
 
+def _vllm_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def _mapped(names: set[str]) -> set[str]:
+    """Which of these /dev/shm files some live process still maps."""
+    used: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    maps = f.read()
+            except OSError:
+                continue
+            used |= {n for n in names if f"/dev/shm/{n}" in maps}
+    return used
+
+
 @pytest.fixture(scope="session")
 def shm_dir() -> Iterator[str]:
-    """A region directory of these tests only (so the cleanup check sees only their files)."""
+    """A region directory of these tests only (so the cleanup check sees only their files).
+    Afterwards it also removes vLLM's own shared-memory files that engines the tests killed
+    left behind (vLLM cannot clean those up after a SIGKILL); files still mapped stay."""
     d = f"/dev/shm/ect-engine-tests-{os.getpid()}"
     os.makedirs(d, exist_ok=True)
+    before = _vllm_shm()
     yield d
+    new = _vllm_shm() - before
+    for n in new - _mapped(new):
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{n}")
     from ectransport.vllm.region import reclaim_stale
 
     reclaim_stale(d)  # files of engines the tests killed

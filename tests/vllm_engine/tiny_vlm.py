@@ -23,6 +23,13 @@ import os
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 PATCH, MERGE = 14, 2
+#: Chat messages -> the :func:`prompt` format (an image item becomes the vision placeholder).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 FACTOR = PATCH * MERGE  # pixels per image token side
 
 
@@ -50,6 +57,7 @@ def _tokenizer(out_dir: str) -> dict[str, int]:
     tok.add_special_tokens(SPECIALS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", bos_token=None)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return {s: tok.token_to_id(s) for s in SPECIALS}
 
