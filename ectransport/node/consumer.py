@@ -352,6 +352,23 @@ class ConsumerNode:
     def plane_transports(self) -> dict[str, str]:
         return {n: p.describe_transport() for n, p in self._planes.items()}
 
+    def plane(self, name: str) -> DataTransport:
+        """The data plane ``name`` this node fetches with (its counters, capabilities; for
+        diagnostics and tests). The node owns it: do not close it or drive transfers on it.
+
+        Raises:
+            KeyError: the node was not configured with that plane.
+        """
+        return self._planes[name]
+
+    def session(self, producer: ProducerAddress | str) -> ConsumerSession | None:
+        """The session with ``producer`` (a ProducerAddress or its ``"host:port"`` key), or None
+        if there is none now (never dialed, or dropped after a terminal failure). For diagnostics
+        and tests: the node's thread drives it — read its state (``failed``, ``plane``,
+        ``fetch_states()``), never feed it events."""
+        key = producer.key if isinstance(producer, ProducerAddress) else producer
+        return self._sessions.get(key)
+
     def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
         """Also tell ``observer`` what happens (see the ``observer`` argument); any thread."""
         self._observers = [*self._observers, observer]

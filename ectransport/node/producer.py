@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ectransport.control.base import ControlServer, Down, Received
+from ectransport.control.base import ControlServer, Down, PeerId, Received
 from ectransport.data.base import DataTransport, TransferModel, identity_of
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
@@ -188,6 +188,21 @@ class ProducerNode:
     def plane_transports(self) -> dict[str, str]:
         """Plane name → what it runs on underneath (e.g. the UCX transports)."""
         return {n: p.describe_transport() for n, p in self._planes.items()}
+
+    def plane(self, name: str) -> DataTransport:
+        """The data plane ``name`` this node serves on (its endpoint, counters, capabilities;
+        for diagnostics and tests). The node owns it: do not close it or drive transfers on it.
+
+        Raises:
+            KeyError: the node was not configured with that plane.
+        """
+        return self._planes[name]
+
+    def peers(self) -> list[PeerId]:
+        """Consumers connected now: control-plane peers that sent at least one frame and have not
+        gone ``Down`` (``PeerId.user`` is the authenticated CURVE key, ``""`` in plain mode); a
+        copy, any thread. Empty if the control server does not track its peers."""
+        return list(getattr(self._control, "peers", None) or ())
 
     def start(self) -> ProducerNode:
         """Start serving on a background thread (idempotent)."""

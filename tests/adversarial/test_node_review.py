@@ -10,7 +10,7 @@ import pytest
 
 from ectransport.data.base import Capabilities, DataTransport, TransferModel, XferState
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security
-from tests.node.conftest import wait_for
+from tests.conftest import wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 ROWS = 8
@@ -103,7 +103,8 @@ def test_a_second_welcome_naming_another_plane_does_not_hand_old_handles_to_the_
                               security=sec))
     assert p2.put("a", DATA)
     p2.start()
-    s = next(iter(c._sessions.values()))
+    s = c.session(addr)
+    assert s is not None
     # the restarted producer offers only "fb": the session refuses the switch while the "fa"
     # transfer is in flight (a typed failure of this session), and nothing of "fa" reaches "fb"
     assert wait_for(lambda: s.failed is not None, 15.0), (s.plane, s.failed)
@@ -193,14 +194,14 @@ def test_a_hostile_producers_failed_session_does_not_close_an_honest_producers_u
     out = c.fetch(ProducerAddress("127.0.0.1", p.port), "a", timeout_s=10.0)
     assert out.ok, out
     del out
-    ucx = c._planes["ucx"]
-    honest_scope = c._sessions[f"127.0.0.1:{p.port}"].binding.scope
+    ucx = c.plane("ucx")
+    honest_scope = c.session(ProducerAddress("127.0.0.1", p.port)).binding.scope
     assert wait_for(lambda: any(k[0] == honest_scope for k in list(ucx._eps)), 5.0)
     haddr = ProducerAddress("127.0.0.1", h.port)
     m = c.fetch(haddr, "x", timeout_s=3.0)  # NACK_INTERNAL: the hostile producer is quarantined
     assert not m.ok
     def hostile_dropped() -> bool:
-        if f"127.0.0.1:{h.port}" not in c._sessions:
+        if c.session(haddr) is None:
             return True
         c.fetch(haddr, "x", timeout_s=1.0)  # probe Hello -> non-OK Welcome -> session failed
         return False
@@ -231,7 +232,7 @@ def test_a_push_planes_blocks_stay_pinned_until_its_grant_is_revoked(closing):
     p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("tcp",), security=sec))
     assert p.put("a", DATA)
     p.start()
-    plane = p._planes["tcp"]
+    plane = p.plane("tcp")
     seen: list[int | None] = []
     orig = plane.revoke
 

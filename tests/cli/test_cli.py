@@ -18,7 +18,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -27,6 +26,7 @@ from click.testing import CliRunner
 
 from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
 from ectransport.cli.main import cli
+from tests.conftest import wait_for
 
 BUNDLED = Path(__file__).resolve().parents[2] / "ectransport" / "demo" / "images"
 SMALL_IMAGE = BUNDLED / "chelsea.png"  # 176 tokens: the cheapest bundled image to encode
@@ -378,14 +378,11 @@ def producer(tmp_path_factory, keydir):
     with open(d / "serve.out", "w+") as out, open(d / "serve.err", "w+") as err:
         proc = subprocess.Popen(cmd, cwd=d, env=_env(), stdout=out, stderr=err, text=True)
         try:
-            deadline = time.monotonic() + 180
-            while not ready.exists():
-                if proc.poll() is not None:
-                    err.seek(0)
-                    pytest.fail(f"serve exited with {proc.returncode}: {err.read()}")
-                if time.monotonic() > deadline:
-                    pytest.fail("serve not ready within 180 s")
-                time.sleep(0.2)
+            # the ready file is the event; the process ending is the other way out
+            wait_for(lambda: ready.exists() or proc.poll() is not None, 180.0, 0.2)
+            if not ready.exists():
+                err.seek(0)
+                pytest.fail(f"serve not ready within 180 s (rc={proc.poll()}): {err.read()}")
             info = json.loads(ready.read_text())
             yield info
         finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,12 @@ def run_doctor(*args: str, env_extra: dict | None = None, cwd: Path | None = Non
     env.pop("ECTRANSPORT_CONFIG", None)
     if not (env_extra or {}).get("ECTRANSPORT_PLANES"):
         env.pop("ECTRANSPORT_PLANES", None)
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "ectransport.cli", "doctor", *args], env=env,
-                       capture_output=True, text=True, timeout=60, cwd=cwd)
-    return r, time.monotonic() - t0
+    return subprocess.run([sys.executable, "-m", "ectransport.cli", "doctor", *args], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
 def test_doctor_passes_here_and_prints_a_table():
-    r, took = run_doctor()
+    r = run_doctor()
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     for needle in ("ectransport doctor", "msgspec", "pyzmq", "libzmq", "CURVE", "usable planes",
@@ -40,11 +37,10 @@ def test_doctor_passes_here_and_prints_a_table():
         assert needle in out, needle
     assert "┃" in out or "|" in out  # a table
     assert "Traceback" not in r.stderr
-    assert took < 30  # normally ~1-2 s; generous for a shared machine
 
 
 def test_doctor_fails_when_no_plane_can_load():
-    r, _ = run_doctor(env_extra={"ECTRANSPORT_PLANES": "nonexistent"})
+    r = run_doctor(env_extra={"ECTRANSPORT_PLANES": "nonexistent"})
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no data plane can run here" in r.stdout
     assert "missing: usable planes" in r.stdout
@@ -78,7 +74,7 @@ def test_doctor_checks_configured_ports_and_key_permissions(tmp_path):
         busy = s.getsockname()[1]
         cfg = tmp_path / "ect.toml"
         cfg.write_text(f'[security]\nkey_file = "{key}"\n[producer]\nport = {busy}\n')
-        r, _ = run_doctor("--config", str(cfg))
+        r = run_doctor("--config", str(cfg))
     assert r.returncode == 0, r.stdout  # warnings and key problems are not "required"
     assert "cannot be bound now" in r.stdout
     assert "readable by others" in r.stdout and "chmod 600" in r.stdout

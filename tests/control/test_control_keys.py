@@ -16,8 +16,7 @@ from ectransport.control.keys import (
     load_public,
 )
 from ectransport.errors import ConfigError
-
-from .conftest import new_keypair
+from tests.conftest import new_keypair
 
 
 def test_generate_keypair_writes_zcert_files_with_private_secret(tmp_path):

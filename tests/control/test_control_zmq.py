@@ -14,8 +14,7 @@ from ectransport.control.base import AuthFailed, Down, PeerId, Received, Up
 from ectransport.control.keys import AllowList, allow_key
 from ectransport.control.zmqctl import ZmqControlClient, ZmqControlServer
 from ectransport.errors import ConfigError
-
-from .conftest import new_keypair, poll_until, pump
+from tests.conftest import DEADLINE_S, new_keypair, poll_until, wait_for
 
 LOCAL = "127.0.0.1"
 
@@ -47,17 +46,18 @@ def make_server(tmp_path, server_keys, admitted=(), **kw):
     )
 
 
-def connect_up(client, server, server_key, timeout_s=3.0):
+def connect_up(client, server, server_key, timeout_s=DEADLINE_S):
     conn = client.connect(LOCAL, server.port, server_key)
     ev = poll_until(client, lambda e: isinstance(e, (Up, AuthFailed)), timeout_s)
     assert isinstance(ev, Up), f"expected Up, got {ev!r}"
     return conn
 
 
-def request(client, conn, server, data, timeout_s=3.0):
-    """Client sends ``data``; returns the server's Received event for it."""
+def request(client, conn, server, data, timeout_s=DEADLINE_S, sink=None):
+    """Client sends ``data``; returns the server's Received event for it (every server event seen
+    meanwhile goes to ``sink``)."""
     assert client.send(conn, data)
-    ev = poll_until(server, lambda e: isinstance(e, Received) and e.data == data, timeout_s)
+    ev = poll_until(server, lambda e: isinstance(e, Received) and e.data == data, timeout_s, sink)
     assert ev is not None, "server did not receive the request"
     return ev
 
@@ -75,7 +75,7 @@ def test_round_trip_with_allowed_key(tmp_path, server_keys, client_keys):
         assert isinstance(got.source, PeerId)
         assert got.source.user == client_keys.public
         assert server.send(got.source, b"reply-1")
-        ev = poll_until(client, lambda e: isinstance(e, Received), 3.0)
+        ev = poll_until(client, lambda e: isinstance(e, Received))
         assert ev == Received(conn, b"reply-1")
 
 
@@ -88,7 +88,7 @@ def test_plain_mode_round_trip_has_empty_user(caplog):
         got = request(client, conn, server, b"hi")
         assert got.source.user == ""
         assert server.send(got.source, b"ho")
-        assert poll_until(client, lambda e: e == Received(conn, b"ho"), 3.0)
+        assert poll_until(client, lambda e: e == Received(conn, b"ho"))
 
 
 # -- authentication failures -----------------------------------------------------------------
@@ -107,25 +107,29 @@ def test_auth_failure_is_reported_fast_and_server_sees_nothing(
     else:
         client = ZmqControlClient(secret_key=admitted.secret)  # admitted key, wrong server key
         server_key = new_keypair().public
-    with closing(client, server):
-        t0 = time.monotonic()
+    witness = ZmqControlClient(secret_key=admitted.secret)
+    with closing(witness, client, server):
         conn = client.connect(LOCAL, server.port, server_key)
         client_events, server_events = [], []
         failed = None
-        while failed is None and time.monotonic() - t0 < 3.0:
+        deadline = time.monotonic() + DEADLINE_S
+        while failed is None and time.monotonic() < deadline:
             assert not client.send(conn, b"should-never-arrive")
             for ev in client.poll(0.02):
                 client_events.append(ev)
                 if isinstance(ev, AuthFailed):
                     failed = ev
             server_events.extend(server.poll(0.0))
-        elapsed = time.monotonic() - t0
         assert failed is not None, f"no AuthFailed; client saw {client_events}"
-        assert elapsed < 2.0
+        # "fast": the handshake's own verdict (named below), not a handshake timeout
+        assert "no handshake" not in failed.reason, failed.reason
         assert failed.conn == conn
         assert not any(isinstance(e, Up) for e in client_events)
-        pump([server], 0.3, [server_events])
-        assert not any(isinstance(e, Received) for e in server_events)
+        # an admitted client's frame reaches the server: it is serving, and nothing of the
+        # refused client came before it
+        wconn = connect_up(witness, server, server_keys.public)
+        request(witness, wconn, server, b"witness", sink=server_events)
+        assert [e.data for e in server_events if isinstance(e, Received)] == [b"witness"]
         assert not client.send(conn, b"after-failure")  # the connection was closed
         if case == "unknown_client_key":
             assert "allow-list" in failed.reason
@@ -141,12 +145,10 @@ def test_curve_client_against_plain_server_fails(client_keys):
     server = ZmqControlServer(LOCAL, 0, insecure=True)
     client = ZmqControlClient(secret_key=client_keys.secret)
     with closing(client, server):
-        t0 = time.monotonic()
         client.connect(LOCAL, server.port, new_keypair().public)
-        ev = poll_until(client, lambda e: isinstance(e, (Up, AuthFailed)), 3.0)
+        ev = poll_until(client, lambda e: isinstance(e, (Up, AuthFailed)))
         assert isinstance(ev, AuthFailed), ev
-        assert time.monotonic() - t0 < 2.0
-        assert "plain/CURVE mismatch" in ev.reason
+        assert "plain/CURVE mismatch" in ev.reason  # the handshake's verdict, not a timeout
 
 
 def test_allow_list_reload_admits_and_revokes_without_restart(tmp_path, server_keys):
@@ -162,7 +164,7 @@ def test_allow_list_reload_admits_and_revokes_without_restart(tmp_path, server_k
                 clients.append(c)
                 c.connect(LOCAL, server.port, server_keys.public)
                 ev = None
-                deadline = time.monotonic() + 3.0
+                deadline = time.monotonic() + DEADLINE_S
                 while ev is None and time.monotonic() < deadline:
                     server.poll(0.0)
                     for e in c.poll(0.02):
@@ -170,20 +172,28 @@ def test_allow_list_reload_admits_and_revokes_without_restart(tmp_path, server_k
                             ev = e
                 return c, ev
 
+            def attempt_until(kind):
+                """Attempt until the server's verdict is ``kind``: the server re-reads the
+                directory on its own (about every 0.5 s), so the change shows up in time."""
+                last: list = []
+
+                def verdict() -> bool:
+                    last[:] = attempt()
+                    return isinstance(last[1], kind)
+
+                assert wait_for(verdict, DEADLINE_S, 0.1), last
+                return last
+
             _, ev = attempt()
             assert isinstance(ev, AuthFailed)
 
             entry = allow_key(allow_dir, kp.public)
-            time.sleep(0.7)  # > AllowList check interval (0.5 s)
-            c2, ev = attempt()
-            assert isinstance(ev, Up), ev
+            c2, ev = attempt_until(Up)
             got = request(c2, ev.conn, server, b"admitted")
             assert got.source.user == kp.public
 
             entry.unlink()
-            time.sleep(0.7)
-            _, ev = attempt()
-            assert isinstance(ev, AuthFailed), ev
+            attempt_until(AuthFailed)
         finally:
             for c in clients:
                 c.close()
@@ -205,12 +215,12 @@ def test_consumer_disconnect_reported_as_down(tmp_path, server_keys, client_keys
         opeer = request(other, oconn, server, b"other").source
         assert opeer != peer and opeer.user == peer.user  # same key, distinct routes
         client.close()
-        ev = poll_until(server, lambda e: isinstance(e, Down), 5.0)
+        ev = poll_until(server, lambda e: isinstance(e, Down))
         assert ev == Down(peer)
         assert server.peers == [opeer]
         assert not server.send(peer, b"gone")
         assert server.send(opeer, b"still-here")
-        assert poll_until(other, lambda e: e == Received(oconn, b"still-here"), 3.0)
+        assert poll_until(other, lambda e: e == Received(oconn, b"still-here"))
 
 
 def test_producer_disconnect_reported_as_down_to_client(tmp_path, server_keys, client_keys):
@@ -221,7 +231,7 @@ def test_producer_disconnect_reported_as_down_to_client(tmp_path, server_keys, c
     with closing(client, server):
         conn = connect_up(client, server, server_keys.public)
         server.close()
-        ev = poll_until(client, lambda e: isinstance(e, Down), 5.0)
+        ev = poll_until(client, lambda e: isinstance(e, Down))
         assert ev == Down(conn)
         assert not client.send(conn, b"x")
 
@@ -233,7 +243,7 @@ def test_unreachable_producer_reported_as_down(client_keys):
     client = ZmqControlClient(secret_key=client_keys.secret, handshake_timeout_s=0.5)
     with closing(client):
         conn = client.connect(LOCAL, port, new_keypair().public)
-        ev = poll_until(client, lambda e: True, 3.0)
+        ev = poll_until(client, lambda e: True)
         assert ev == Down(conn)
 
 
@@ -311,7 +321,7 @@ def test_flooding_peer_cannot_starve_another(tmp_path, server_keys):
         assert calm.send(cconn, b"calm")
         got_calm = False
         flood_received = 0
-        while time.monotonic() - t0 < 5.0 and not got_calm:
+        while time.monotonic() - t0 < DEADLINE_S and not got_calm:
             for ev in server.poll(0.05):
                 if isinstance(ev, Received):
                     if ev.data == b"calm":
@@ -321,9 +331,11 @@ def test_flooding_peer_cannot_starve_another(tmp_path, server_keys):
                         flood_received += 1
         elapsed = time.monotonic() - t0
         assert got_calm
+        # The token bucket's own bound. Not a stopwatch bound: a slower run only raises the
+        # allowance (the bucket was full at t0 and refills at ``rate`` from then on).
         assert flood_received <= burst + rate * elapsed + 20
         # keep draining the flood: whatever the flooder queued beyond its budget is dropped
-        drain_deadline = time.monotonic() + 3.0
+        drain_deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < drain_deadline and server.rate_dropped + flood_received < sent:
             flood_received += sum(isinstance(e, Received) for e in server.poll(0.05))
         assert server.rate_dropped > 0
@@ -336,8 +348,12 @@ def test_oversized_frame_is_not_delivered(tmp_path, server_keys, client_keys):
         conn = connect_up(client, server, server_keys.public)
         client.send(conn, b"x" * 4096)
         seen = []
-        pump([server, client], 0.5, [seen, []])
-        assert not any(isinstance(e, Received) for e in seen)
+        # the server drops a connection that sends an oversized frame: the client sees it go
+        # down and come back; a frame sent after that arrives, the oversized one never did
+        assert poll_until(client, lambda e: e == Down(conn)), "oversized frame did not drop it"
+        assert poll_until(client, lambda e: e == Up(conn)), "no reconnection"
+        request(client, conn, server, b"after", sink=seen)
+        assert [e.data for e in seen if isinstance(e, Received)] == [b"after"]
 
 
 def test_malformed_envelope_dropped():
@@ -349,7 +365,7 @@ def test_malformed_envelope_dropped():
         raw.connect(server.endpoint)
         raw.send_multipart([b"a", b"b"])
         raw.send(b"ok")
-        ev = poll_until(server, lambda e: isinstance(e, Received), 3.0)
+        ev = poll_until(server, lambda e: isinstance(e, Received))
         assert ev is not None and ev.data == b"ok"
         assert server.malformed_dropped == 1
     finally:
@@ -365,11 +381,16 @@ def test_wake_interrupts_poll_from_another_thread(server_keys, client_keys, side
     else:
         plane = ZmqControlClient(secret_key=client_keys.secret)
     with closing(plane):
-        t = threading.Timer(0.2, plane.wake)
+        returned = threading.Event()
+
+        def long_poll() -> None:
+            plane.poll(600.0)
+            returned.set()
+
+        t = threading.Thread(target=long_poll, daemon=True)
         t.start()
-        t0 = time.monotonic()
-        plane.poll(10.0)
-        assert time.monotonic() - t0 < 3.0
+        plane.wake()  # before or during that poll: either way it returns now, not in 600 s
+        assert returned.wait(DEADLINE_S), "poll() was not interrupted by wake()"
         t.join()
 
 
@@ -385,13 +406,8 @@ def test_a_producer_that_never_greets_is_not_called_a_wrong_key():
                               handshake_timeout_s=0.5)
     try:
         client.connect("127.0.0.1", port, pk[0].decode())
-        failed = None
-        end = time.monotonic() + 10.0
-        while failed is None and time.monotonic() < end:
-            for ev in client.poll(0.05):
-                if isinstance(ev, AuthFailed):
-                    failed = ev
-        assert failed is not None, "no AuthFailed within 10 s"
+        failed = poll_until(client, is_auth_failed)
+        assert failed is not None, f"no AuthFailed within {DEADLINE_S} s"
         assert "no handshake from the producer" in failed.reason
         assert "mismatch" not in failed.reason
     finally:

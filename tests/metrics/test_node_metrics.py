@@ -7,7 +7,6 @@ on the allow-list (a ZAP rejection). Real ZMQ + CURVE on loopback, the TCP data 
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import numpy as np
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from ectransport.metrics import Metrics  # noqa: E402
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 
 LAYOUT = Layout(model_id="metrics-test", dtype="float32", hidden=64)  # 256-byte blocks
 OTHER = Layout(model_id="metrics-test", dtype="float32", hidden=32)
@@ -39,15 +39,6 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
-
-
-def wait_for(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module")

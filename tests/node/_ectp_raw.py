@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     ack = c.req(mm_hash, compat)
     print(json.dumps({"welcome": int(w.status), "status": int(ack.status),
                       "grant_id": ack.grant.grant_id if ack.grant else None}), flush=True)
-    time.sleep(120)  # hold the grant until killed
+    time.sleep(120)  # hold the grant, silent, until killed: the behaviour under test
     return 0
 
 

@@ -182,7 +182,7 @@ def _wait_acked(conn: socket.socket, timeout_s: float) -> None:
                                                 struct.pack("i", 0)))[0]
         if queued == 0:
             return
-        time.sleep(0.001)
+        time.sleep(0.001)  # a poll interval: the kernel signals no event when its queue drains
 
 
 class Hostile:

@@ -70,8 +70,7 @@ def main(argv: list[str]) -> int:
         for line in sys.stdin:
             cmd = line.strip()
             if cmd == "stats":
-                with node._lock:
-                    pins = {n: (e.pins if (e := node.store.get(n)) else None) for n in names}
+                pins = {n: (e.pins if (e := node.lookup(n)) else None) for n in names}
                 print(json.dumps({**node.stats(), "pins": pins}), flush=True)
             elif cmd == "exit":
                 break

@@ -35,8 +35,8 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
+from tests.conftest import KeyPair, new_keypair, wait_for
 from tests.node._ectp_raw import RawClient
-from tests.node.conftest import KeyPair, new_keypair, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte blocks
@@ -258,7 +258,7 @@ def test_another_entry_is_refused(closing, adversary):
     # an honest consumer holds a live grant of entry-b (NIXL: its blocks are registered now)
     honest = closing(RawClient("127.0.0.1", s.p.port, server_key=s.keys.public,
                                public_key=honest_keys.public, secret_key=honest_keys.secret))
-    plane = s.p._planes[adv.plane]
+    plane = s.p.plane(adv.plane)
     w = honest.hello(LAYOUT.compat_hash, planes=(adv.plane,),
                      localities={adv.plane: plane.locality()})
     assert w.plane == adv.plane, w
@@ -290,7 +290,7 @@ def test_consumed_grant_is_refused(closing, adversary):
     assert st["completed"] == 1 and st["active_grants"] == 0, st
     assert s.p.lookup("entry-a").pins == 0
     if adv.plane == "nixl":
-        nixl = s.p._planes["nixl"]
+        nixl = s.p.plane("nixl")
         assert wait_for(lambda: nixl.exposed_registrations == 0, 5.0), \
             "the consumed grant's NIXL registration was not dropped"
         _skip_unless_rdma(s)
@@ -313,7 +313,7 @@ def test_grant_of_an_evicted_and_reallocated_entry_is_refused(closing, adversary
     assert s.p.put("entry-c", s.c)
     assert s.p.lookup("entry-a") is None and s.p.lookup("entry-c").runs == blocks_a
     if adv.plane == "nixl":
-        nixl = s.p._planes["nixl"]
+        nixl = s.p.plane("nixl")
         assert wait_for(lambda: nixl.exposed_registrations == 0, 5.0)
         _skip_unless_rdma(s)
         _refused("raw READ of the expired grant",

@@ -44,8 +44,8 @@ from ectransport.node import (
     ProducerNode,
     Security,
 )
+from tests.conftest import new_keypair, wait_for, wait_free
 from tests.node._hostile_producer import hostile_rows
-from tests.node.conftest import new_keypair, wait_for, wait_free
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -161,7 +161,8 @@ def _spawn_hostile(tmp_dir: Path, plane: str, honest: ProducerNode) -> HostilePr
         h.send({"public": kp.public, "secret": kp.secret, "plane": plane, "block_bytes": BB,
                 "region_blocks": 2048, "nixl_agent": plane == "nixl",
                 "silent_listener": plane == "tcp",
-                "honest_endpoints": {n: p.endpoint().hex() for n, p in honest._planes.items()}})
+                "honest_endpoints": {n: honest.plane(n).endpoint().hex()
+                                     for n in honest.session.config.planes}})
         h.info = h._line(START_TIMEOUT_S)
         assert h.info.get("ready") is True, h.info
         assert h.info["identity"] == identity_of(kp.public)
@@ -333,7 +334,7 @@ def test_nixl_grants_outside_the_binding_miss_and_honest_keeps_serving(honest, h
     hostile.welcome("own")
     c = consumer_for("nixl")
     assert_honest_serves(c, honest)  # the honest agent is loaded before the hostile grants
-    honest_agent = honest._planes["nixl"].agent_name
+    honest_agent = honest.plane("nixl").agent_name
     specs = {f"nixl-g-{k}": {"grant": k, "rows": 4, "seed": 21} for k in BAD_NIXL_GRANTS}
     specs["nixl-g-valid"] = {"grant": "valid", "rows": 8, "seed": 22}
     hostile.acks(specs)
@@ -344,7 +345,7 @@ def test_nixl_grants_outside_the_binding_miss_and_honest_keeps_serving(honest, h
         assert out.reason is MissReason.INTERNAL, (kind, out)
         assert BAD_NIXL_GRANTS[kind] in out.detail, (kind, out.detail)
         # only the failing producer's NIXL state may be reset: the honest agent stays loaded
-        assert honest_agent in c._planes["nixl"]._peers, kind
+        assert honest_agent in c.plane("nixl")._peers, kind
         assert_honest_serves(c, honest, names=("h-a", "X"))
     out = c.fetch(hostile.address(), "nixl-g-valid", timeout_s=10.0)
     assert isinstance(out, Fetched), out
@@ -375,7 +376,7 @@ def test_tcp_grants_outside_the_binding_connect_nowhere(honest, hostile_tcp, con
         watch.listen(8)
         c = consumer_for("tcp")
         assert_honest_serves(c, honest)
-        honest_tcp = honest._planes["tcp"]
+        honest_tcp = honest.plane("tcp")
         accepted = honest_tcp.stats["accepted"]
         hostile.acks({f"tcp-g-{k}": {"grant": k, "rows": 4, "port": watch.getsockname()[1]}
                       for k in BAD_TCP_GRANTS})
@@ -446,7 +447,7 @@ def test_tcp_hostile_declaring_the_honest_port_gets_nothing(honest, hostile_tcp,
     hostile = hostile_tcp
     c = consumer_for("tcp")
     assert_honest_serves(c, honest)
-    honest_tcp = honest._planes["tcp"]
+    honest_tcp = honest.plane("tcp")
     unknown = honest_tcp.stats["unknown"]
     hostile.welcome("honest-port")
     hostile.acks({"tcp-d-honest-port": {"grant": "honest-port", "rows": 4}})
@@ -477,7 +478,7 @@ def test_quarantined_fetch_of_x_does_not_block_x_elsewhere(plane, honest, hostil
     held = c.fetch(honest_address(honest), "X", timeout_s=10.0)
     assert isinstance(held, Fetched), held
 
-    plane_obj = c._planes[plane]
+    plane_obj = c.plane(plane)
     original_start = plane_obj.start
     armed = [True]
 

@@ -7,8 +7,7 @@ import pytest
 
 from ectransport.errors import NoCommonPlane
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security
-
-from .conftest import new_keypair
+from tests.conftest import new_keypair
 
 LAYOUT = Layout(model_id="negotiation-test", hidden=64)
 

@@ -16,7 +16,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,8 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Status
+from tests.conftest import new_keypair, wait_for
 from tests.node._ectp_raw import RawClient
-from tests.node.conftest import new_keypair, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(hidden=256, dtype="bfloat16")
@@ -52,16 +51,16 @@ def _producer(closing, security: Security) -> ProducerNode:
     return p.start()
 
 
-def _assert_released_by_peer_down(p: ProducerNode, t0: float) -> float:
+def _assert_released_by_peer_down(p: ProducerNode) -> None:
+    """The grant ended because the consumer went away — not by its 60 s lease (``expired``
+    would count it) nor by a completion: the counters say which, no stopwatch needed."""
     ok = wait_for(lambda: p.stats()["active_grants"] == 0, DOWN_DEADLINE_S, 0.05)
-    took = time.monotonic() - t0
     st = p.stats()
     assert ok, f"pin still held {DOWN_DEADLINE_S}s after the consumer went away: {st}"
     assert st["released_peer_down"] == 1 and st["expired"] == 0 and st["completed"] == 0, st
     assert st["active_grants"] == 0 and st["pinned_bytes"] == PIN_BYTES  # held back, charged
-    assert p.store.get(MM).pins == p.session.grace_pins == 1
-    assert p._control.peers == []
-    return took
+    assert p.lookup(MM).pins == p.session.grace_pins == 1
+    assert p.peers() == []
 
 
 def _assert_serves(p: ProducerNode, closing, security: Security) -> None:
@@ -70,7 +69,7 @@ def _assert_serves(p: ProducerNode, closing, security: Security) -> None:
     out = c.fetch(ProducerAddress("127.0.0.1", p.port, p.public_key), MM, timeout_s=10.0)
     assert isinstance(out, Fetched), out
     assert np.array_equal(out.data, DATA.reshape(-1))
-    assert wait_for(lambda: p.stats()["active_grants"] == 0, 3.0), p.stats()
+    assert wait_for(lambda: p.stats()["active_grants"] == 0), p.stats()
     assert p.stats()["pinned_bytes"] == held_back
     assert p.stats()["completed"] == 1
 
@@ -80,7 +79,7 @@ def _grant(raw: RawClient, p: ProducerNode):
     ack = raw.req(MM, LAYOUT.compat_hash)
     assert ack.status is Status.OK and ack.grant.lease_s == LEASE_S, ack
     st = p.stats()
-    assert st["pinned_bytes"] == PIN_BYTES and p.store.get(MM).pins == 1, st
+    assert st["pinned_bytes"] == PIN_BYTES and p.lookup(MM).pins == 1, st
     return ack
 
 
@@ -89,12 +88,10 @@ def test_closed_dealer_releases_pin_plain(closing):
     raw = RawClient("127.0.0.1", p.port)
     try:
         _grant(raw, p)
-        assert len(p._control.peers) == 1
+        assert len(p.peers()) == 1
     finally:
-        t0 = time.monotonic()
         raw.close()
-    took = _assert_released_by_peer_down(p, t0)
-    assert took < 5.0, f"TCP close took {took:.2f}s to be noticed"
+    _assert_released_by_peer_down(p)
     _assert_serves(p, closing, Security(insecure=True))
 
 
@@ -106,13 +103,11 @@ def test_closed_dealer_releases_pin_curve(closing):
                     secret_key=ck.secret)
     try:
         _grant(raw, p)
-        assert [peer.user for peer in p._control.peers] == [ck.public]
+        assert [peer.user for peer in p.peers()] == [ck.public]
         assert p.session.pinned_bytes(ck.public) == PIN_BYTES  # budget identity = CURVE key
     finally:
-        t0 = time.monotonic()
         raw.close()
-    took = _assert_released_by_peer_down(p, t0)
-    assert took < 5.0, f"TCP close took {took:.2f}s to be noticed"
+    _assert_released_by_peer_down(p)
     assert p.session.pinned_bytes(ck.public) == PIN_BYTES  # until the grace pin is dropped
     _assert_serves(p, closing, Security(public_key=ck.public, secret_key=ck.secret))
 
@@ -151,12 +146,10 @@ def test_consumer_process_dies_or_freezes_holding_a_grant(closing, how):
     try:
         info = _read_grant(proc)
         assert info["welcome"] == Status.OK and info["status"] == Status.OK, info
-        assert wait_for(lambda: p.stats()["pinned_bytes"] == PIN_BYTES, 2.0), p.stats()
-        assert p.store.get(MM).pins == 1
-        t0 = time.monotonic()
+        assert wait_for(lambda: p.stats()["pinned_bytes"] == PIN_BYTES), p.stats()
+        assert p.lookup(MM).pins == 1
         os.kill(proc.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
-        took = _assert_released_by_peer_down(p, t0)
-        assert took < (5.0 if how == "sigkill" else DOWN_DEADLINE_S), took
+        _assert_released_by_peer_down(p)
     finally:
         _kill(proc)
     _assert_serves(p, closing, Security(insecure=True))
@@ -170,16 +163,17 @@ def test_other_peers_grants_survive_one_peer_down(closing):
         kept = _grant(stay, p)
         assert leave.hello(LAYOUT.compat_hash).status is Status.OK
         assert leave.req(MM, LAYOUT.compat_hash).status is Status.OK
-        assert p.stats()["pinned_bytes"] == 2 * PIN_BYTES and p.store.get(MM).pins == 2
+        assert p.stats()["pinned_bytes"] == 2 * PIN_BYTES and p.lookup(MM).pins == 2
         leave.close()
         assert wait_for(lambda: p.stats()["active_grants"] == 1, DOWN_DEADLINE_S)
-        time.sleep(0.3)
         st = p.stats()
         assert st["pinned_bytes"] == 2 * PIN_BYTES and st["released_peer_down"] == 1, st
-        assert p.store.get(MM).pins == 2  # the kept grant + the departed one's grace pin
+        assert st["expired"] == 0 and st["completed"] == 0, st  # only the departed grant ended
+        assert p.lookup(MM).pins == 2  # the kept grant + the departed one's grace pin
         stay.done(MM, kept.grant.grant_id)
-        assert wait_for(lambda: p.stats()["pinned_bytes"] == PIN_BYTES, 2.0)
-        assert p.store.get(MM).pins == 1 and p.stats()["completed"] == 1
+        assert wait_for(lambda: p.stats()["completed"] == 1), p.stats()
+        # the departed consumer's grace pin is still held (until its lease + grace would end)
+        assert p.stats()["pinned_bytes"] == PIN_BYTES and p.lookup(MM).pins == 1, p.stats()
     finally:
         stay.close()
         leave.close()
@@ -203,15 +197,16 @@ def test_consumer_recovers_after_producer_restart_on_same_port(closing):
                               security=sec))
     assert p2.put(MM, new_data)
     p2.start()
-    misses = []
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        out = c.fetch(addr, MM, timeout_s=3.0)
-        if out.ok:
-            break
-        misses.append(out.reason)
-        time.sleep(0.2)
+    outs: list = []
+
+    def served() -> bool:  # typed misses until the consumer's backoff lets it dial p2
+        outs.append(c.fetch(addr, MM, timeout_s=3.0))
+        return outs[-1].ok
+
+    assert wait_for(served, 30.0, 0.2), outs
+    out = outs.pop()
+    misses = [m.reason for m in outs]
     assert isinstance(out, Fetched), (out, misses)
     assert np.array_equal(out.data, new_data.reshape(-1))
     assert set(misses) <= {MissReason.QUARANTINED, MissReason.PEER_DOWN, MissReason.TIMEOUT}, misses
-    assert wait_for(lambda: p2.stats()["pinned_bytes"] == 0, 3.0), p2.stats()
+    assert wait_for(lambda: p2.stats()["pinned_bytes"] == 0), p2.stats()

@@ -1,5 +1,11 @@
 """A producer that stops, dies or restarts (real processes): typed misses within the deadlines,
-fail-fast while quarantined, recovery once it is back."""
+fail-fast while quarantined, recovery once it is back.
+
+Which deadline ended a fetch is told by its outcome, not by a stopwatch: a miss the producer is
+blamed for (no ack by the ack deadline, connection lost) quarantines it (the consumer reports
+``peer_quarantined``; the next fetch is ``QUARANTINED`` at once), while a fetch that merely ran
+out of its own deadline blames nobody.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +22,9 @@ import numpy as np
 import pytest
 
 from ectransport.node import ConsumerNode, Layout, MissReason, ProducerAddress, Security
+from tests.conftest import wait_for
 
 from ._producer_proc import make_rows
-from .conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 256
@@ -64,44 +70,64 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def _consumer(**kw) -> ConsumerNode:
+    return ConsumerNode(layout=LAYOUT, region_bytes=8 << 20, security=Security(insecure=True),
+                        ack_timeout_s=1.0, read_timeout_s=2.0, **kw)
+
+
 @pytest.fixture
 def consumer():
-    node = ConsumerNode(layout=LAYOUT, region_bytes=8 << 20, security=Security(insecure=True),
-                        ack_timeout_s=1.0, read_timeout_s=2.0)
+    node = _consumer()
     yield node
     node.close()
+
+
+def _blames(node: ConsumerNode) -> list[str]:
+    """The reasons of every quarantine ``node`` puts a producer in from now on."""
+    why: list[str] = []
+    node.add_observer(lambda ev, f: why.append(f.get("why", "")) if ev == "peer_quarantined"
+                      else None)
+    return why
 
 
 def _expected() -> np.ndarray:
     return make_rows(50, HIDDEN, 3).reshape(-1).view(np.uint8)
 
 
-def test_stopped_producer_misses_fast_then_recovers(tmp_path, consumer):
+def _served_again(consumer, addr, timeout_s: float, allowed: tuple[MissReason, ...] = ()):
+    """Fetch until one lands (the producer is back and its quarantine over); every miss meanwhile
+    must be one of ``allowed`` (any, if empty). Returns the Fetched."""
+    outs: list = []
+
+    def served() -> bool:
+        outs.append(consumer.fetch(addr, "x", timeout_s=5))
+        return outs[-1].ok
+
+    assert wait_for(served, timeout_s, 0.2), outs[-3:]
+    if allowed:
+        assert all(o.reason in allowed for o in outs[:-1]), outs
+    return outs[-1]
+
+
+def test_stopped_producer_misses_fast_then_recovers(tmp_path, closing):
+    # a first quarantine long enough that the fetch right after the miss still finds it on a
+    # busy machine
+    consumer = closing(_consumer(session_options={"peer_backoff_s": 5.0}))
+    blamed = _blames(consumer)
     proc, info = _spawn(tmp_path)
     try:
         addr = ProducerAddress("127.0.0.1", info["port"])
         assert consumer.fetch(addr, "x", timeout_s=10).ok  # warm: connected and welcomed
         _freeze(proc.pid)
-        t0 = time.monotonic()
-        miss = consumer.fetch(addr, "x", timeout_s=10)
-        waited = time.monotonic() - t0
+        miss = consumer.fetch(addr, "x", timeout_s=60)
         assert not miss.ok and miss.reason is MissReason.TIMEOUT, miss
-        assert waited < 1.0 + 1.0  # the ack deadline (1 s), not the fetch deadline (10 s)
-        t0 = time.monotonic()
-        fast = consumer.fetch(addr, "x", timeout_s=10)
-        assert not fast.ok and fast.reason is MissReason.QUARANTINED, fast
-        assert time.monotonic() - t0 < 0.2  # fails fast instead of waiting
+        # the ack deadline (1 s) ended it, not the fetch deadline (60 s): the producer is blamed
+        assert blamed and "ack" in blamed[0], blamed
+        fast = consumer.fetch(addr, "x", timeout_s=60)
+        assert not fast.ok and fast.reason is MissReason.QUARANTINED, fast  # fails at once
         os.kill(proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 15
-        got = None
-        while time.monotonic() < deadline:
-            got = consumer.fetch(addr, "x", timeout_s=5)
-            if got.ok:
-                break
-            assert got.reason in (MissReason.QUARANTINED, MissReason.TIMEOUT,
-                                  MissReason.PEER_DOWN), got
-            time.sleep(0.2)
-        assert got is not None and got.ok, got
+        got = _served_again(consumer, addr, 60.0, (MissReason.QUARANTINED, MissReason.TIMEOUT,
+                                                   MissReason.PEER_DOWN))
         assert np.array_equal(got.data, _expected())
     finally:
         _stop(proc)
@@ -111,24 +137,19 @@ def test_killed_producer_is_a_typed_miss_and_a_restart_on_the_same_port_serves(t
                                                                                   consumer):
     proc, info = _spawn(tmp_path)
     addr = ProducerAddress("127.0.0.1", info["port"])
+    blamed = _blames(consumer)
     try:
         assert consumer.fetch(addr, "x", timeout_s=10).ok
         proc.kill()
         proc.wait(timeout=10)
-        t0 = time.monotonic()
-        miss = consumer.fetch(addr, "x", timeout_s=10)
+        miss = consumer.fetch(addr, "x", timeout_s=60)
         assert not miss.ok and miss.reason in (MissReason.PEER_DOWN, MissReason.TIMEOUT,
                                                MissReason.QUARANTINED), miss
-        assert time.monotonic() - t0 < 3.0
+        # ended by the connection loss or the ack deadline (both blame the producer; QUARANTINED:
+        # it was blamed already), not by the 60 s fetch deadline (that blames nobody)
+        assert blamed, miss
         proc, _ = _spawn(tmp_path, port=info["port"])  # a new process: new NIXL agent
-        deadline = time.monotonic() + 20
-        got = None
-        while time.monotonic() < deadline:
-            got = consumer.fetch(addr, "x", timeout_s=5)
-            if got.ok:
-                break
-            time.sleep(0.2)
-        assert got is not None and got.ok, got
+        got = _served_again(consumer, addr, 60.0)
         assert np.array_equal(got.data, _expected())
     finally:
         _stop(proc)
@@ -141,7 +162,6 @@ def test_unreachable_producer_is_reported_as_such(consumer):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    t0 = time.monotonic()
-    miss = consumer.fetch(ProducerAddress("127.0.0.1", port), "x", timeout_s=10)
+    miss = consumer.fetch(ProducerAddress("127.0.0.1", port), "x", timeout_s=60)
+    # reported as unreachable (connection refused), not left to the 60 s fetch deadline
     assert not miss.ok and miss.reason is MissReason.PEER_DOWN and "unreachable" in miss.detail
-    assert time.monotonic() - t0 < 3.0

@@ -1,14 +1,18 @@
 """ProducerNode.put copies bytes into the region outside the node lock the serving loop needs.
 
-No timing: the region's copy is hooked, and the hook checks that the lock is free and that
-``stats()`` (which takes the lock) answers while the copy is in progress.
+No timing: the region's copy is hooked, and the hook asks another thread for ``stats()`` and
+``lookup()`` (both take the lock) while the copy is in progress: they answer only if put does not
+hold the lock meanwhile (the deadline only bounds the wait of a failing run).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ectransport.node import Layout, ProducerNode, Security
+from tests.conftest import DEADLINE_S
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 
@@ -20,14 +24,18 @@ def test_put_copies_outside_the_node_lock(closing, monkeypatch):
     write = node.region.write
 
     def hooked_write(runs, data):
-        free = node._lock.acquire(blocking=False)
-        if free:
-            node._lock.release()
-            stats = node.stats()  # would deadlock if put held the (non-reentrant) lock here
-            seen.append((stats["entries"], node.lookup("big").ready))
-        else:
-            seen.append(None)
+        answered = threading.Event()
+        got: list = []
+
+        def ask() -> None:  # blocks on the node lock if put holds it during the copy
+            got.append((node.stats()["entries"], node.lookup("big").ready))
+            answered.set()
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        seen.append(got[0] if answered.wait(DEADLINE_S) else None)
         write(runs, data)
+        t.join(DEADLINE_S)
 
     monkeypatch.setattr(node.region, "write", hooked_write)
     rows = np.random.default_rng(1).integers(0, 256, (1000, LAYOUT.block_bytes), dtype=np.uint8)

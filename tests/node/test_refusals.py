@@ -23,14 +23,13 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Status
+from tests.conftest import new_keypair, wait_for, wait_free
 from tests.node._ectp_raw import RawClient
-from tests.node.conftest import new_keypair, wait_for, wait_free
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 ROWS = 40
 DATA = np.random.default_rng(7).integers(0, 256, (ROWS, LAYOUT.block_bytes), dtype=np.uint8)
 MM = "item-0"
-AUTH_DEADLINE_S = 3.0
 
 
 @pytest.fixture
@@ -63,7 +62,7 @@ def _assert_no_pin(p: ProducerNode) -> None:
     st = p.stats()
     assert st["grants"] == 0, st
     assert st["pinned_bytes"] == 0 and st["active_grants"] == 0, st
-    assert p.store.get(MM).pins == 0
+    assert p.lookup(MM).pins == 0
     assert p.store.pinned_blocks == 0
 
 
@@ -75,7 +74,7 @@ def _assert_healthy(p: ProducerNode, keys, closing) -> None:
     assert np.array_equal(out.data, DATA.reshape(-1))
     assert p.stats()["grants"] >= 1
     del out
-    assert wait_for(lambda: p.stats()["pinned_bytes"] == 0, 3.0), p.stats()
+    assert wait_for(lambda: p.stats()["pinned_bytes"] == 0), p.stats()
 
 
 @pytest.mark.parametrize("layout", [
@@ -110,7 +109,7 @@ def test_req_with_foreign_compat_hash_after_good_hello_takes_no_pin(producer, ke
         assert ok.status is Status.OK and ok.grant is not None
         assert ok.grant.entry_bytes == DATA.nbytes and ok.grant.num_blocks == ROWS
         raw.done(MM, ok.grant.grant_id)
-        assert wait_for(lambda: producer.stats()["pinned_bytes"] == 0, 3.0)
+        assert wait_for(lambda: producer.stats()["pinned_bytes"] == 0)
     finally:
         raw.close()
 
@@ -151,35 +150,34 @@ def test_unauthenticated_consumer_gets_auth_and_nothing_else(producer, keys, clo
         server_key = new_keypair().public
     else:
         c = _consumer(closing, None)
-    control = producer._control
-    t0 = time.monotonic()
     out = c.fetch(_addr(producer, server_key), MM, timeout_s=10.0)
-    elapsed = time.monotonic() - t0
+    # refused by the handshake (AUTH, with its cause), not left to the deadline (TIMEOUT)
     assert isinstance(out, Miss), out
     assert out.reason is MissReason.AUTH, out
-    assert elapsed < AUTH_DEADLINE_S, f"AUTH took {elapsed:.2f}s"
     assert {"key_not_allowed": "allow-list", "wrong_server_key": "producer key mismatch",
             "plain_consumer": "plain/CURVE mismatch"}[case] in out.detail, out.detail
-    # the producer's session never saw a frame: no Welcome, no ack, no grant
+    # the producer's session never saw a frame: no Welcome, no ack, no grant, no peer
     _assert_no_pin(producer)
     assert producer.session.nacks == {}
-    assert producer.session._peers == {}
-    assert control.peers == []
-    assert control.malformed_dropped == 0
+    assert producer.peers() == []
+
+    def control() -> dict[str, int]:
+        return producer.snapshot()["control"]
+
+    assert control()["malformed_dropped"] == 0
     if case == "key_not_allowed":
-        assert wait_for(lambda: control.reject_count >= 1, 2.0), control.reject_count
+        assert wait_for(lambda: control()["reject_count"] >= 1), control()
     else:
-        assert control.reject_count == 0
+        assert control()["reject_count"] == 0
         # counted when the producer's loop drains its monitor (its own thread, maybe later)
-        assert wait_for(lambda: control.handshake_failures >= 1, 2.0)
-    # no retry storm afterwards: the failed client stopped reconnecting (let the server drain
-    # the monitor events of the attempts made before AUTH, then expect no new ones)
-    time.sleep(0.7)
-    failures = control.handshake_failures
-    assert failures <= 8, failures
-    time.sleep(0.7)
-    assert control.handshake_failures == failures
+        assert wait_for(lambda: control()["handshake_failures"] >= 1), control()
+    # no retry storm afterwards: the failed session is dropped, and with it its connection (no
+    # reconnecting) ...
+    assert wait_for(lambda: c.session(_addr(producer)) is None), c.stats()
+    assert c.stats()["producers"] == 0
     _assert_healthy(producer, keys, closing)
+    # ... so the attempts made before AUTH are all the server ever counts
+    assert control()["handshake_failures"] <= 8, control()
 
 
 # -- typed errors from ConsumerNode.connect ----------------------------------------------------
@@ -191,10 +189,8 @@ def test_connect_raises_typed_errors(producer, keys, closing, case):
         c, want = _consumer(closing, keys["consumer"], versions=(2,)), VersionError
     else:
         c, want = _consumer(closing, keys["consumer"], layout=Layout(hidden=512)), ProtocolError
-    t0 = time.monotonic()
-    with pytest.raises(want):
-        c.connect(_addr(producer), timeout_s=5.0)
-    assert time.monotonic() - t0 < AUTH_DEADLINE_S
+    with pytest.raises(want):  # the typed refusal, not the timeout's plain ECTransportError
+        c.connect(_addr(producer), timeout_s=30.0)
     _assert_no_pin(producer)
     assert producer.session.nacks == ({} if case == "auth" else
                                       {Status.NACK_VERSION if case == "version"
@@ -240,9 +236,10 @@ def test_busy_until_deadline_is_busy_and_pins_nothing(budget_producer, keys, clo
         out = c.fetch(_addr(p), MM2, timeout_s=1.0)
         elapsed = time.monotonic() - t0
         assert isinstance(out, Miss) and out.reason is MissReason.BUSY, out
-        assert 0.9 <= elapsed < 2.5, elapsed
+        # kept asking until its deadline (a lower bound: it cannot fail on a slow machine)
+        assert elapsed >= 0.9, elapsed
         assert p.session.nacks.get(Status.NACK_BUSY, 0) >= 2, p.session.nacks  # it retried
-        assert p.store.get(MM2).pins == 0
+        assert p.lookup(MM2).pins == 0
         assert p.stats()["grants"] == 1 and c.store.free_blocks == c.store.num_blocks
     finally:
         raw.close()
@@ -253,15 +250,15 @@ def test_busy_is_retried_until_the_budget_frees(budget_producer, keys, closing):
     raw, gid = _hog(p, keys["consumer"])
     try:
         c = _consumer(closing, keys["consumer"])
-        fut = c.submit(_addr(p), MM2, timeout_s=8.0)
-        assert wait_for(lambda: p.session.nacks.get(Status.NACK_BUSY, 0) >= 1, 3.0)
+        fut = c.submit(_addr(p), MM2, timeout_s=60.0)
+        assert wait_for(lambda: p.session.nacks.get(Status.NACK_BUSY, 0) >= 1)
         assert not fut.done()
         raw.done(MM, gid)
-        out = fut.result(timeout=12.0)
+        out = fut.result(timeout=70.0)
         del fut
         assert isinstance(out, Fetched), out
         assert np.array_equal(out.data, DATA2.reshape(-1))
-        assert wait_for(lambda: p.stats()["pinned_bytes"] == 0, 3.0), p.stats()
+        assert wait_for(lambda: p.stats()["pinned_bytes"] == 0), p.stats()
         assert p.stats()["grants"] == 2
     finally:
         raw.close()
@@ -279,11 +276,11 @@ def test_no_local_space_is_no_space_and_releases_the_producer_pin(producer, keys
     assert isinstance(out, Miss) and out.reason is MissReason.NO_SPACE, out
     # the producer granted, the consumer gave the grant back at once (its blocks and budget are
     # held back for the grace period)
-    assert wait_for(lambda: producer.stats()["active_grants"] == 0, 3.0), producer.stats()
+    assert wait_for(lambda: producer.stats()["active_grants"] == 0), producer.stats()
     st = producer.stats()
     assert st["grants"] == 2 and st["expired"] == 0 and st["abandoned"] == 1, st
     # given back unused (XferDone ok=False): ended at once, its blocks held for the grace period
-    assert producer.store.get(MM2).pins == producer.session.grace_pins == 1
+    assert producer.lookup(MM2).pins == producer.session.grace_pins == 1
     # dropping the held result makes room again
     del held
     assert wait_free(c)

@@ -23,7 +23,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
-from tests.node.conftest import wait_for
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows

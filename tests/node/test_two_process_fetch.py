@@ -13,7 +13,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +30,8 @@ from ectransport.node import (  # noqa: E402
     ProducerAddress,
     Security,
 )
+from tests.conftest import wait_for, wait_free  # noqa: E402
 from tests.node._producer_proc import make_rows, make_tensor  # noqa: E402
-from tests.node.conftest import wait_for, wait_free  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 3584
@@ -141,14 +140,11 @@ def test_fetch_matches_producer_bytes(producer, consumer, name):
     before = producer.stats()
     assert before["pins"][name] == 0
 
-    t0 = time.monotonic()
     out = consumer.fetch(producer.address(), name, timeout_s=15.0)
-    elapsed = time.monotonic() - t0
     assert isinstance(out, Fetched), out
     assert out.ok and out.plane == "nixl"
     assert out.nbytes == rows * ROW_BYTES
     assert np.array_equal(out.data, _expected_bytes(name))
-    assert elapsed < 15.0
 
     t = out.tensor()
     assert t.dtype == torch.bfloat16
@@ -161,7 +157,13 @@ def test_fetch_matches_producer_bytes(producer, consumer, name):
     assert consumer.store.free_blocks == num - rows
     del out
     gc.collect()
-    time.sleep(0.2)
+    # a release queued by a wrongly dropped buffer is handled by the next turn of the loop: make
+    # one (a whole fetch of another item) before looking
+    other = "one-row" if name != "one-row" else "hundred-rows"
+    probe = consumer.fetch(producer.address(), other, timeout_s=15.0)
+    assert isinstance(probe, Fetched), probe
+    del probe
+    assert wait_for(lambda: (gc.collect(), consumer.store.free_blocks)[1] == num - rows)
     assert consumer.store.free_blocks == num - rows, "tensor() view dropped its blocks early"
     assert torch.equal(t[-1], make_tensor(rows, HIDDEN, seed)[-1])
     del t
@@ -170,8 +172,8 @@ def test_fetch_matches_producer_bytes(producer, consumer, name):
     after = producer.wait_unpinned()
     assert after["pinned_bytes"] == 0 and after["active_grants"] == 0, after
     assert after["pins"][name] == 0, after
-    assert after["grants"] == before["grants"] + 1
-    assert after["completed"] == before["completed"] + 1
+    assert after["grants"] == before["grants"] + 2  # the item and the probe
+    assert after["completed"] == before["completed"] + 2
     assert after["expired"] == before["expired"]
 
 
@@ -219,13 +221,11 @@ def test_stranger_key_is_refused_by_the_child(producer, keys):
     node = ConsumerNode(layout=LAYOUT, region_bytes=1 << 20,
                         security=Security.from_files(str(keys / "keys" / "stranger.key_secret")))
     try:
-        t0 = time.monotonic()
         out = node.fetch(producer.address(), "one-row", timeout_s=10.0)
-        elapsed = time.monotonic() - t0
     finally:
         node.close()
+    # refused by the handshake (AUTH), not left to the fetch deadline (that would be TIMEOUT)
     assert isinstance(out, Miss) and out.reason is MissReason.AUTH, out
-    assert elapsed < 3.5, elapsed
     after = producer.stats()
     assert after["grants"] == before["grants"] and after["pinned_bytes"] == 0
 

@@ -187,18 +187,12 @@ def check(p: ProducerSession, helloed: set) -> None:
     """Store and session invariants; every pin belongs to a live grant or to a grace period (a
     grant that ended unconfirmed keeps its pin for ``grace_s``), never to a peer without Hello."""
     p.store.check_invariants()
-    session_check = getattr(p, "check_invariants", None)
-    if session_check is not None:
-        session_check()  # each grant and grace pin holds a pin of its live entry
-    grace_pins = getattr(p, "grace_pins", 0)  # a property
-    per_entry: dict[int, int] = {}
-    for g in p._grants.values():
+    p.check_invariants()  # each grant and grace pin holds a pin of its live entry
+    for g in p.grants():
         assert g.peer in helloed, f"pin taken for {g.peer!r}, which never completed a Hello"
-        per_entry[g.entry_id] = per_entry.get(g.entry_id, 0) + 1
-    for e in p.store.entries():
-        assert e.pins >= per_entry.get(e.entry_id, 0), e
-    assert sum(e.pins for e in p.store.entries()) == len(p._grants) + grace_pins
-    assert all(v <= p.budget_bytes for v in p._pinned_by.values())
+    # with check_invariants' "at least one pin per grant", exactly one pin per grant or grace pin
+    assert sum(e.pins for e in p.store.entries()) == p.active_grants + p.grace_pins
+    assert all(v <= p.budget_bytes for v in p.pinned_by_identity().values())
 
 
 def feed(p: ProducerSession, peer, data: bytes, now: float, user: str, helloed: set) -> None:

@@ -200,7 +200,7 @@ class Model(RuleBasedStateMachine):
         return None
 
     def _from_producer(self, cmds) -> None:
-        for g in self.producer._grants.values():
+        for g in self.producer.grants():
             self.grants.setdefault(g.plane_grant,
                                    GrantInfo(self.incarnation, g.key[1], g.nbytes, g.entry_id))
         for cmd in cmds:
@@ -510,35 +510,17 @@ class Model(RuleBasedStateMachine):
             return
         p, store = self.producer, self.pstore
         store.check_invariants()
+        # the session's own bookkeeping (indexes, budgets, one pin of its live entry per grant
+        # and per grace pin) ...
         p.check_invariants()
-        grants = p._grants
-        per_entry: dict[int, int] = {}
-        for _, _, entry_id, _, _ in p._grace:  # blocks of ended grants, held back
-            per_entry[entry_id] = per_entry.get(entry_id, 0) + 1
-        for key, g in grants.items():
-            assert g.key == key
-            e = store.get(key[1])
-            assert e is not None and e.entry_id == g.entry_id and e.ready, (key, e)
-            per_entry[g.entry_id] = per_entry.get(g.entry_id, 0) + 1
+        # ... and nothing else pins: exactly one pin per grant or grace pin
+        assert sum(e.pins for e in store.entries()) == p.active_grants + p.grace_pins
+        for g in p.grants():
+            e = store.get(g.key[1])
+            assert e is not None and e.entry_id == g.entry_id and e.ready, (g.key, e)
             assert g.deadline <= self.now + LEASE_S + 1e-9, "a lease longer than lease_s"
-            st_ = p._peers.get(g.peer)
-            assert st_ is not None and key in st_.grants, f"grant {key} of a forgotten peer"
-            assert p._live.get(key[:2]) == key[2]
-        for e in store.entries():
-            assert e.pins >= 0
-            assert e.pins == per_entry.get(e.entry_id, 0), (e, per_entry)
-        assert len(p._live) == len(grants)
-        assert sum(len(s.grants) for s in p._peers.values()) == len(grants)
-        per_id: dict[str, int] = {}
-        for g in grants.values():
-            per_id[g.identity] = per_id.get(g.identity, 0) + g.pinned_bytes
-        for _, _, _, identity, nbytes in p._grace:  # held-back pins stay on the budget
-            per_id[identity] = per_id.get(identity, 0) + nbytes
-        assert p._pinned_by == per_id, (p._pinned_by, per_id)
+        per_id = p.pinned_by_identity()  # grace pins stay on the budget
         assert all(v <= BUDGET_BLOCKS * BLOCK for v in per_id.values()), per_id
-        for sid, peer in p._sessions.items():
-            assert p._peers[peer].session_id == sid
-        assert len(p._sessions) == len(p._peers)
 
     @invariant()
     def consumers_consistent(self):

@@ -1,1 +1,0 @@
-from tests.node.conftest import closing  # noqa: F401  (fixture re-export)

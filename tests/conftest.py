@@ -1,0 +1,108 @@
+"""Helpers and fixtures shared by every test package: CURVE key pairs, waiting on a condition with
+a deadline, closing nodes at teardown, polling control planes.
+
+Tests order threads and processes by waiting on what they can observe (a counter, a state, an
+event) with :func:`wait_for` and a generous deadline — never by sleeping a guessed interval, and
+never by asserting how long something took: under load everything takes longer, and only the
+deadline may run out.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+
+#: how long a test waits for something that normally happens at once (a counter moves, a pin is
+#: dropped): generous, because a deadline that runs out is a failure and the machine may be busy
+DEADLINE_S = 10.0
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A CURVE key pair, Z85 text (40 characters each)."""
+
+    public: str
+    secret: str
+
+
+def new_keypair() -> KeyPair:
+    pub, sec = zmq.curve_keypair()
+    return KeyPair(pub.decode("ascii"), sec.decode("ascii"))
+
+
+@pytest.fixture
+def server_keys() -> KeyPair:
+    return new_keypair()
+
+
+@pytest.fixture
+def client_keys() -> KeyPair:
+    return new_keypair()
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float = DEADLINE_S,
+             interval_s: float = 0.02) -> bool:
+    """Poll ``pred`` until it is true or ``timeout_s`` passes; returns its last value as a bool.
+
+    The interval only spaces the polls; nothing is assumed to have happened after it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return bool(pred())
+        time.sleep(interval_s)
+
+
+def wait_free(node, timeout_s: float = DEADLINE_S) -> bool:
+    """Wait until a ConsumerNode's landing region is entirely free again (collecting garbage:
+    a dropped ``Fetched`` returns its blocks when it is collected)."""
+
+    def free() -> bool:
+        gc.collect()
+        return node.store.free_blocks == node.store.num_blocks
+
+    return wait_for(free, timeout_s, 0.05)
+
+
+@pytest.fixture
+def closing() -> Iterator[Callable]:
+    """``closing(node)`` registers a node (anything with ``close()``) to be closed at teardown,
+    last registered first, even when the test fails; it returns the node."""
+    nodes: list = []
+
+    def add(node):
+        nodes.append(node)
+        return node
+
+    yield add
+    for n in reversed(nodes):
+        try:
+            n.close()
+        except Exception:  # noqa: BLE001 - teardown must close the rest
+            pass
+
+
+def poll_until(plane, pred: Callable[[Any], bool], timeout_s: float = DEADLINE_S,
+               sink: list | None = None):
+    """Poll a control plane (anything with ``poll(timeout_s) -> list[event]``) until an event
+    matching ``pred`` arrives or ``timeout_s`` passes.
+
+    Every event seen is appended to ``sink``. Returns the matching event or None.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        for ev in plane.poll(min(0.05, left)):
+            if sink is not None:
+                sink.append(ev)
+            if pred(ev):
+                return ev
