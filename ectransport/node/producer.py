@@ -295,6 +295,24 @@ class ProducerNode:
             e = self.store.get(mm_hash)
             return None if e is None else dataclasses.replace(e)
 
+    def pin_local(self, mm_hash: str) -> Entry | None:
+        """Pin a READY entry for a reader in this host (e.g. vLLM's worker loading it from the
+        shared region): it is not evicted until :meth:`unpin_local`. Returns a snapshot of the
+        entry (its ``runs``, ``nbytes``, ``entry_id``), or None if absent or not ready (no pin)."""
+        with self._lock:
+            e = self.store.pin_if_ready(mm_hash)
+            return None if e is None else dataclasses.replace(e)
+
+    def unpin_local(self, mm_hash: str, entry_id: int) -> bool:
+        """Drop a pin taken by :meth:`pin_local` on that allocation (``entry_id``); False if the
+        entry is gone, was re-allocated or holds no pin (a double unpin) — nothing changes then."""
+        with self._lock:
+            e = self.store.get(mm_hash)
+            if e is None or e.entry_id != entry_id or e.pins <= 0:
+                return False
+            self.store.unpin(mm_hash, entry_id)
+            return True
+
     def reload_allow_list(self) -> None:
         """Re-read the allow-list directory now (``serve`` calls it on SIGHUP). New connections
         see the change; the directory is also re-checked on its own every ~0.5 s."""

@@ -78,9 +78,7 @@ class LocalTier:
             return self.has(mm_hash)
         if any(o.mm_hash == mm_hash for o in self._queued):
             return True
-        # ProducerNode has no public pin for local readers; its store lock guards the pins.
-        with self.node._lock:  # noqa: SLF001
-            e = self.node.store.pin_if_ready(mm_hash)
+        e = self.node.pin_local(mm_hash)
         if e is None or not e.ready:
             return False
         self.hits += 1
@@ -117,11 +115,8 @@ class LocalTier:
 
     def _unpin(self, tid: int) -> None:
         load = self._inflight.pop(tid)
-        with self.node._lock:  # noqa: SLF001
-            try:
-                self.node.store.unpin(load.mm_hash, load.entry_id)
-            except Exception:  # noqa: BLE001 - the entry went with a closed node
-                log.debug("EC local tier: unpin of %s skipped", load.mm_hash, exc_info=True)
+        if not self.node.unpin_local(load.mm_hash, load.entry_id):
+            log.debug("EC local tier: unpin of %s skipped (entry gone)", load.mm_hash)
 
     def close(self) -> None:
         for tid in list(self._inflight):

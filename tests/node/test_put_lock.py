@@ -43,3 +43,25 @@ def test_put_copies_outside_the_node_lock(closing, monkeypatch):
     assert seen == [(1, False)]  # lock free during the copy; the entry exists but is NOT_READY
     assert node.lookup("big").ready
     assert node.stats()["entries"] == 1
+
+
+def test_pin_local_keeps_an_entry_from_eviction_until_unpinned():
+    """A local reader (vLLM's worker loading from the region) pins through the public API."""
+    import numpy as np
+
+    from ectransport.node import Layout, ProducerNode, Security
+
+    layout = Layout(hidden=256, dtype="bfloat16")
+    rows = np.zeros((8, layout.block_bytes), dtype=np.uint8)
+    p = ProducerNode(layout=layout, region_bytes=8 * layout.block_bytes,
+                     security=Security(insecure=True))
+    try:
+        assert p.pin_local("nope") is None
+        assert p.put("a", rows)
+        e = p.pin_local("a")
+        assert e is not None and e.pins == 1
+        assert not p.put("b", rows)  # "a" is pinned: nothing to evict, the region is full
+        assert p.unpin_local("a", e.entry_id) and not p.unpin_local("a", e.entry_id)
+        assert p.put("b", rows) and p.lookup("a") is None  # now "a" could be evicted
+    finally:
+        p.close()
