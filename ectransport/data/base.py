@@ -185,8 +185,11 @@ class DataTransport(ABC):
 
     def revoke(self, plane_grant: bytes) -> None:
         """The grant ended (unpinned): stop serving it. Planes whose consumers read the region
-        directly (NIXL) cannot revoke and inherit this no-op; planes that serve requests (TCP, UCX)
-        must refuse a revoked grant from now on."""
+        directly (NIXL) cannot revoke and inherit this no-op; planes that serve requests (TCP, UCX,
+        shm) must refuse a revoked grant from now on. The socket-serving planes (TCP, shm:
+        ``SocketServingPlane``) also stop a send in progress before returning, so no byte of the
+        grant is read afterwards; UCX lets a send already posted complete. Malformed grants are a
+        no-op."""
 
     def poll_notifications(self) -> list[bytes]:
         """Completion notifications received since the last call (producer side)."""

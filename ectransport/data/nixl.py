@@ -48,6 +48,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ectransport.data.base import (
+    PLUGIN_API_VERSION,
     Capabilities,
     DataTransport,
     RegionLike,
@@ -285,6 +286,7 @@ class NixlPlane(DataTransport):
     """
 
     name = "nixl"
+    plugin_api_version = PLUGIN_API_VERSION
     capabilities = _LazyCapabilities()
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):

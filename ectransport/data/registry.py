@@ -2,8 +2,9 @@
 
 Each entry point maps a plane name to a *lazily imported* :class:`DataTransport` subclass; built-in
 planes register the same way (in ``pyproject.toml``). Loading validates that the object implements
-the contract and declares :data:`PLUGIN_API_VERSION`; a broken plugin is logged and skipped, never
-crashes discovery.
+the contract and declares :data:`PLUGIN_API_VERSION` itself (:func:`check_plane`; a version inherited
+from ``DataTransport``'s default says nothing about what the plane was written for); a broken plugin
+is logged and skipped, never crashes discovery.
 
 Collision rule: when two distributions register the same name, the built-in (distribution
 ``ectransport``) wins; among third parties the first in sorted distribution-name order wins, and the
@@ -70,13 +71,40 @@ def load_plane(name: str) -> type[DataTransport]:
         cls = info.entry_point.load()
     except Exception as e:
         raise PlaneUnavailable(f"plane {name!r} from {info.dist} failed to import: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, DataTransport)):
-        raise PlaneUnavailable(f"plane {name!r} from {info.dist} is not a DataTransport subclass")
-    if getattr(cls, "plugin_api_version", None) != PLUGIN_API_VERSION:
-        raise PlaneUnavailable(
-            f"plane {name!r} from {info.dist} implements plugin API "
-            f"{getattr(cls, 'plugin_api_version', None)}, ectransport needs {PLUGIN_API_VERSION}")
+    check_plane(cls, f"plane {name!r} from {info.dist}")
+    assert isinstance(cls, type) and issubclass(cls, DataTransport)  # check_plane made sure
     return cls
+
+
+def declared_api_version(cls: type) -> object:
+    """The ``plugin_api_version`` that ``cls`` or one of its bases other than
+    :class:`DataTransport` declares; None if only ``DataTransport``'s default applies."""
+    for klass in cls.__mro__:
+        if klass is DataTransport:
+            return None
+        if "plugin_api_version" in vars(klass):
+            return vars(klass)["plugin_api_version"]
+    return None
+
+
+def check_plane(cls: object, what: str) -> None:
+    """What the registry requires of a plane class before loading it (the conformance kit checks
+    the same): a :class:`DataTransport` subclass that declares ``plugin_api_version`` equal to
+    :data:`PLUGIN_API_VERSION`. ``what`` names the plane in the message.
+
+    Raises:
+        PlaneUnavailable: not a DataTransport subclass, no version declared, or another version.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, DataTransport)):
+        raise PlaneUnavailable(f"{what} is not a DataTransport subclass")
+    version = declared_api_version(cls)
+    if version is None:
+        raise PlaneUnavailable(
+            f"{what} declares no plugin_api_version (set plugin_api_version = "
+            f"ectransport.plugin.PLUGIN_API_VERSION in the class, once it implements that API)")
+    if version != PLUGIN_API_VERSION:
+        raise PlaneUnavailable(f"{what} implements plugin API {version!r}, ectransport needs "
+                               f"{PLUGIN_API_VERSION}")
 
 
 def try_load(name: str) -> type[DataTransport] | None:

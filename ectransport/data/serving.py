@@ -1,13 +1,14 @@
-"""What the request-serving (PUSH) planes share: grant tokens, notifications, the producer's
-threaded accept/serve skeleton, the consumer's receive handle and its pool of idle connections.
+"""What the request-serving (PUSH) planes share: grant tokens and the grant registry with its
+revoke rule, notifications, the producer's threaded accept/serve skeleton, the consumer's receive
+handle, its connections and its pool of idle connections.
 
-The TCP plane (:mod:`ectransport.data.tcp`) and the shm plugin (``ectransport_shm``) serve a
-consumer's request naming a grant over a stream socket; the UCX plane uses the grant tokens and the
-notification queue only. Nothing here defines a wire format: framing helpers are byte-for-byte what
-each plane sends (a 4-byte big-endian length, then a msgpack body).
+The TCP plane (:mod:`ectransport.data.tcp`) and the shm plugin (``ectransport_shm``) use all of it
+through :class:`ectransport.data.socketplane.SocketServingPlane`; the UCX plane uses the grant
+tokens and the notification queue only. Nothing here defines a wire format (framing helpers:
+:mod:`ectransport.data.framing`, re-exported here).
 
 Locking: the helpers that touch plane state take the plane's own ``threading.Lock`` (passed in), so
-a plane's invariants (e.g. "closed" and "no new connection") hold under one lock as before.
+a plane's invariants (e.g. "closed" and "no new connection") hold under one lock.
 """
 
 from __future__ import annotations
@@ -19,20 +20,39 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
 from ectransport.data.base import XferState
+from ectransport.data.framing import (
+    PREFIX_BYTES,
+    PeerClosed,
+    close_quietly,
+    frame,
+    shutdown_quietly,
+    unread_state,
+)
 from ectransport.errors import DataPlaneError
+
+__all__ = [
+    "PREFIX_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK", "STATUS_UNKNOWN_GRANT", "TOKEN_BYTES",
+    "Acceptor", "Channel", "ConnectionPool", "GrantTable", "Notifications", "PeerClosed",
+    "Receive", "Receives", "ServedGrant", "close_quietly", "frame", "grant_token", "new_token",
+    "receive_state", "shutdown_quietly", "unread_state",
+]
 
 #: Bytes of a grant token: a 128-bit random capability naming the granted blocks at the producer.
 TOKEN_BYTES = 16
-#: Bytes of a header's big-endian length prefix.
-PREFIX_BYTES = 4
 
-_encoder = msgspec.msgpack.Encoder()
+#: Reply status codes of a socket-serving plane (the same numbers in every such wire format).
+STATUS_OK = 0
+STATUS_UNKNOWN_GRANT = 1  #: never granted, revoked, or the plane is closing
+STATUS_BAD_REQUEST = 2  #: the request could not be parsed; the connection is closed after it
+
+_log = logging.getLogger(__name__)
 
 K = TypeVar("K")
 C = TypeVar("C")
@@ -61,58 +81,6 @@ def grant_token(decoder: msgspec.msgpack.Decoder[G], plane_grant: bytes) -> byte
         return None
 
 
-def frame(msg: msgspec.Struct) -> bytes:
-    """``msg`` as msgpack behind its 4-byte big-endian length."""
-    body = _encoder.encode(msg)
-    return len(body).to_bytes(PREFIX_BYTES, "big") + body
-
-
-class PeerClosed(ConnectionError):
-    """EOF before the expected bytes."""
-
-
-def shutdown_quietly(sock: socket.socket | None) -> None:
-    """``shutdown(SHUT_RDWR)`` (wakes a thread blocked on it); None and errors are ignored."""
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def unread_state(sock: socket.socket) -> str:
-    """Whether anything is left on ``sock`` after a complete exchange, without blocking:
-    ``"clean"`` (nothing pending, open), ``"pending"`` (unread bytes: the stream is out of sync,
-    e.g. bytes a producer pushed ahead of a request) or ``"closed"`` (EOF or an error).
-
-    Issue 17: a connection goes back to a pool only when ``"clean"``, so that bytes pushed ahead
-    of time are never taken for the next request's reply. The socket's timeout is restored.
-    """
-    prev = sock.gettimeout()
-    try:
-        sock.settimeout(0.0)  # a timeout socket would wait for readability before the recv
-        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return "clean"
-    except OSError:
-        return "closed"
-    finally:
-        try:
-            sock.settimeout(prev)
-        except OSError:
-            pass
-    return "pending" if data else "closed"
-
-
-def close_quietly(sock: socket.socket | None) -> None:
-    """``close()``; None and errors are ignored."""
-    if sock is not None:
-        try:
-            sock.close()
-        except OSError:
-            pass
-
-
 class Notifications:
     """Producer side: completion ``notif`` s queued for ``poll_notifications`` (thread-safe)."""
 
@@ -135,6 +103,124 @@ class Notifications:
 
     def clear(self) -> None:
         self._q.clear()
+
+
+class ServedGrant:
+    """Producer side: one registered grant.
+
+    Attributes:
+        views: the granted payload bytes, memoryviews of the region in payload order.
+        nbytes: payload bytes.
+        revoked: set by :meth:`GrantTable.revoke` / :meth:`GrantTable.close_locked`.
+        senders: the connections sending it now (shut down by a revoke that cannot wait).
+        lock: held during each step that reads the region for it (:meth:`step`).
+    """
+
+    __slots__ = ("lock", "nbytes", "revoked", "senders", "views")
+
+    def __init__(self, views: list[memoryview], nbytes: int):
+        self.views = views
+        self.nbytes = nbytes
+        self.revoked = False
+        self.senders: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def step(self) -> Iterator[bool]:
+        """One step of a send that reads the region (a ``sendmsg`` of its views, a chunk copy):
+        yields False if the grant was revoked (send nothing more, close the connection), else True
+        with the grant's lock held until the step ends, so :meth:`GrantTable.revoke` waits it
+        out. Keep a step short and bounded by the socket's timeout."""
+        with self.lock:
+            yield not self.revoked
+
+
+class GrantTable:
+    """Producer side: the grants a plane serves, by token, and the revoke rule every
+    socket-serving plane follows.
+
+    **Revoke** (:meth:`revoke`): the grant is refused from then on (a later request finds no
+    token: ``STATUS_UNKNOWN_GRANT``), and once ``revoke`` returns no send reads a byte of the
+    region for it: a send between two steps stops at its next :meth:`ServedGrant.step`; a step in
+    progress is waited out for ``grace_s`` seconds, then the connections sending the grant are shut
+    down (which wakes a step blocked on a full socket buffer) and it is waited out for at most
+    ``wait_s`` more (the socket timeout bounds it). A grant whose send finished is simply dropped:
+    its connection stays usable.
+
+    Args:
+        lock: the plane's lock (guards the table and each grant's ``senders``).
+        what: the plane as messages name it (``"tcp plane"``).
+        grace_s: how long :meth:`revoke` waits for a step before shutting connections down, s.
+        wait_s: how long it then waits for the step to end (the plane's io timeout), s.
+    """
+
+    def __init__(self, lock: threading.Lock, what: str, *, grace_s: float, wait_s: float):
+        self._lock = lock
+        self._what = what
+        self._grace_s = grace_s
+        self._wait_s = wait_s
+        self._grants: dict[bytes, ServedGrant] = {}
+        self._closed = False
+
+    def add(self, views: list[memoryview], nbytes: int) -> bytes:
+        """Register ``views`` (``nbytes`` payload bytes) under a fresh token; the token.
+
+        Raises:
+            DataPlaneError: the table was closed.
+        """
+        token = new_token()
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError(f"{self._what} is closed")
+            self._grants[token] = ServedGrant(views, nbytes)
+        return token
+
+    def lookup(self, token: bytes) -> ServedGrant | None:
+        """The live grant of ``token``, or None."""
+        with self._lock:
+            return self._grants.get(token)
+
+    def begin(self, token: bytes, conn: socket.socket) -> ServedGrant | None:
+        """A send of ``token``'s grant on ``conn`` begins: the grant (``conn`` counted among its
+        senders until :meth:`end`), or None if it is unknown or revoked."""
+        with self._lock:
+            served = self._grants.get(token)
+            if served is not None:
+                served.senders.add(conn)
+            return served
+
+    def end(self, served: ServedGrant, conn: socket.socket) -> None:
+        """The send of ``served`` on ``conn`` ended (done or aborted)."""
+        with self._lock:
+            served.senders.discard(conn)
+
+    def revoke(self, token: bytes | None) -> None:
+        """Revoke ``token``'s grant (the rule in the class docstring); unknown tokens and None
+        are a no-op. Returns within ``grace_s + wait_s`` seconds."""
+        if token is None:
+            return
+        with self._lock:
+            served = self._grants.pop(token, None)
+            if served is None:
+                return
+            served.revoked = True  # a sender checks it under served.lock before each step
+        if not served.lock.acquire(timeout=self._grace_s):
+            with self._lock:
+                senders = list(served.senders)
+            for sock in senders:
+                shutdown_quietly(sock)
+            if not served.lock.acquire(timeout=self._wait_s):  # pragma: no cover
+                _log.error("%s: a send of a revoked grant did not stop", self._what)
+                return
+        served.lock.release()
+
+    def close_locked(self) -> None:
+        """Under the plane lock: register nothing more and revoke every grant (without waiting:
+        the plane then shuts its connections down and joins their threads)."""
+        self._closed = True
+        for served in self._grants.values():
+            served.revoked = True
+        self._grants.clear()
 
 
 class Acceptor:
@@ -286,6 +372,20 @@ class Receive:
             if self.state is XferState.PROC:
                 self.state = XferState.ERR
                 self.detail = self.detail or "cancelled"
+
+
+class Channel:
+    """Consumer side: one connection to a producer's plane (what the pool keeps). Planes that
+    keep more per connection (the shm plugin: the mapped segment) subclass it."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def close(self) -> None:
+        """Close the connection (and whatever the subclass holds); never raises."""
+        close_quietly(self.sock)
 
 
 def receive_state(handle: Any) -> XferState:

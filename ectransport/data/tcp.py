@@ -18,7 +18,8 @@ Model (a consumer-initiated request, the producer sends):
    ``STATUS_UNKNOWN_GRANT``, and a send in progress stops before ``revoke`` returns (at its next
    ``sendmsg``, or, if blocked on a full socket buffer for 50 ms, by shutting its connection down),
    so no byte of a possibly re-allocated block is ever read after it. Revoking a grant whose send
-   finished keeps the (pooled) connection.
+   finished keeps the (pooled) connection. (The rule of every
+   :class:`~ectransport.data.socketplane.SocketServingPlane`.)
 
 Framing (:mod:`ectransport.data.tcp_wire`): every header is a 4-byte big-endian length
 (1..:data:`MAX_HEADER_BYTES`) then a msgpack body with a required protocol version. A client that
@@ -46,30 +47,22 @@ but the payload itself crosses TCP in clear text. The default bind is loopback; 
 address logs a warning. Use NIXL/UCX (or a network you trust) for confidential data.
 
 As the PUSH model of :mod:`ectransport.data.base` says, the consumer's :meth:`TcpPlane.start`
-sends the request and the bytes flow producer → consumer.
+sends the request and the bytes flow producer → consumer. Grant registry, revoke, accept and
+receive threads, pooling and framing are :class:`~ectransport.data.socketplane.SocketServingPlane`'s
+(shared with the shm plugin); this module adds the TCP listener and connections, the
+:class:`TcpGrant`, the host:port binding, and the zero-copy send/receive of the payload.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import ipaddress
 import logging
 import socket
-import threading
-from collections.abc import Sequence
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from ectransport.data.base import (
-    PLUGIN_API_VERSION,
-    Capabilities,
-    DataTransport,
-    RegionLike,
-    TransferModel,
-    XferState,
-)
+from ectransport.data.base import PLUGIN_API_VERSION, Capabilities, RegionLike, TransferModel
 from ectransport.data.binding import (
     ENDPOINT_VERSION,
     HostBinding,
@@ -77,24 +70,9 @@ from ectransport.data.binding import (
     check_grant,
     endpoint_bytes,
 )
-from ectransport.data.options import SERVING_DEFAULTS, ServingOptions, reject_unknown
-from ectransport.data.runs import check_runs, payload_spans, views
-from ectransport.data.serving import (
-    PREFIX_BYTES,
-    Acceptor,
-    ConnectionPool,
-    Notifications,
-    PeerClosed,
-    Receive,
-    Receives,
-    close_quietly,
-    frame,
-    grant_token,
-    new_token,
-    receive_state,
-    shutdown_quietly,
-    unread_state,
-)
+from ectransport.data.framing import PeerClosed, frame
+from ectransport.data.serving import Channel, Receive, ServedGrant
+from ectransport.data.socketplane import RequestLike, SocketServingPlane
 from ectransport.data.tcp_wire import (
     MAX_HEADER_BYTES,
     MAX_NOTIF_BYTES,
@@ -108,13 +86,8 @@ from ectransport.data.tcp_wire import (
     TcpReply,
     TcpRequest,
     endpoint_decoder,
-    grant_decoder,
-    recv_exact,
-    reply_decoder,
-    request_decoder,
 )
 from ectransport.errors import ConfigError, DataPlaneError
-from ectransport.store import Run
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK",
@@ -125,31 +98,19 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _IOV_MAX = 512  # buffers per sendmsg call (POSIX guarantees IOV_MAX >= 16, Linux has 1024)
-_JOIN_S = 2.0  # close(): how long to wait for each background thread
-_REVOKE_GRACE_S = 0.05  # revoke(): wait this long for a sendmsg in progress before aborting it
-
-_OPTIONS = {
-    "host": "127.0.0.1",  # bind address of the listener
-    "port": 0,  # 0 = any free port
-    "advertise_host": None,  # address put in grants; default: host (required for 0.0.0.0 / ::)
-    **SERVING_DEFAULTS,  # timeouts and thread/pool bounds
-}
 
 
-class _Served:
-    """Producer side: one registered grant."""
+@dataclass(frozen=True)
+class _Route:
+    """Consumer side: where a grant's receive connects. ``key`` = (binding scope, host, port),
+    scope 0 for an unbound grant; ``addrs`` the addresses it may connect to."""
 
-    __slots__ = ("lock", "nbytes", "revoked", "senders", "views")
-
-    def __init__(self, views: list[memoryview], nbytes: int):
-        self.views = views
-        self.nbytes = nbytes
-        self.revoked = False
-        self.senders: set[socket.socket] = set()  # connections sending it now
-        self.lock = threading.Lock()  # held during each sendmsg of it
+    key: tuple[int, str, int]
+    addrs: tuple[str, ...]
+    node: str
 
 
-class TcpPlane(DataTransport):
+class TcpPlane(SocketServingPlane[TcpGrant, _Route, Channel]):
     """Producer-sends plane over plain TCP for one node and one DRAM region.
 
     Args:
@@ -179,54 +140,32 @@ class TcpPlane(DataTransport):
         notifications=True,
         address_options=frozenset({"host", "advertise_host"}),
     )
+    wire_version = TCP_WIRE_VERSION
+    grant_type = TcpGrant
+    request_type = TcpRequest
+    reply_type = TcpReply
+    max_header_bytes = MAX_HEADER_BYTES
+    max_notif_bytes = MAX_NOTIF_BYTES
+    option_defaults = {
+        "host": "127.0.0.1",  # bind address of the listener
+        "port": 0,  # 0 = any free port
+        "advertise_host": None,  # address put in grants; default: host (required for 0.0.0.0 / ::)
+    }
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
-        reject_unknown("tcp plane", options, _OPTIONS)
-        opts = {**_OPTIONS, **options}
-        mem_kind = getattr(region, "mem_kind", "DRAM")
-        if mem_kind != "DRAM":
-            raise ConfigError(f"tcp plane moves DRAM only, region is {mem_kind!r}")
+        super().__init__(node_id=node_id, region=region, identity=identity, **options)
+        opts = self._opts
         try:
-            self._opt = ServingOptions.parse(opts)
             port = int(opts["port"])
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid tcp plane option: {exc}") from exc
-        self._opt.check("tcp plane")
         host = str(opts["host"])
         advertise = opts["advertise_host"] or host
         if advertise in ("", "0.0.0.0", "::"):
             raise ConfigError(f"tcp plane binds the wildcard {host!r}: set advertise_host to the "
                               f"address consumers should connect to")
-
-        self.node_id = node_id
-        self.identity = str(identity)
-        self._block_bytes = int(region.block_bytes)
-        self._num_blocks = int(region.nbytes) // self._block_bytes
-        buf = getattr(region, "buf", None)
-        if buf is not None:
-            self._mem: memoryview | None = memoryview(buf).cast("B")
-        else:
-            self._mem = memoryview((ctypes.c_ubyte * int(region.nbytes)).from_address(
-                int(region.addr))).cast("B")
-        if self._mem.nbytes < self._num_blocks * self._block_bytes:
-            raise ConfigError(f"region buffer has {self._mem.nbytes} bytes, expected "
-                              f"{self._num_blocks * self._block_bytes}")
-
-        self._lock = threading.Lock()
-        self._closed = False
-        # producer state
-        self._grants: dict[bytes, _Served] = {}
-        self._notifs = Notifications()
-        # accepted, refused, served, aborted, unknown, bad
-        self.stats: collections.Counter[str] = collections.Counter()
-        # consumer state
-        self._receives = Receives(self._lock, self._opt.max_inflight, "tcp plane")
-        # pooled connections per (binding scope, host, port); scope 0 = unbound grants
-        self._pool: ConnectionPool[tuple[int, str, int], socket.socket] = ConnectionPool(
-            self._lock, self._opt.max_idle_per_peer)
         self._bound: set[int] = set()  # scopes of the bindings not yet unbound
         self._warned_unbound = False
-
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
@@ -246,11 +185,7 @@ class TcpPlane(DataTransport):
         if not _is_loopback(host):
             _log.warning("tcp plane listens on %s:%d: payloads cross the network in clear text",
                          host, self.port)
-        self._acceptor = Acceptor(
-            listener, self._serve, lock=self._lock, stats=self.stats,
-            max_connections=self._opt.max_connections, log=_log, what="tcp plane",
-            accept_name=f"ectransport-tcp-accept-{self.port}",
-            serve_name=f"ectransport-tcp-serve-{self.port}", nodelay=True)
+        self._listen(listener, tag=f"-{self.port}", nodelay=True)
 
     # -- discovery --------------------------------------------------------------------------------
     @classmethod
@@ -294,341 +229,101 @@ class TcpPlane(DataTransport):
             return
         with self._lock:
             self._bound.discard(binding.scope)
-            idle = self._pool.drop_where_locked(lambda key: key[0] == binding.scope)
-        for s in idle:
-            close_quietly(s)
+            idle = self._pool.drop_where_locked(
+                lambda key: isinstance(key, tuple) and key[0] == binding.scope)
+        for chan in idle:
+            chan.close()
 
-    # -- producer side ----------------------------------------------------------------------------
-    def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
-        """Register a fresh token for exactly ``runs`` and return the msgpack :class:`TcpGrant`.
+    # -- producer hooks ---------------------------------------------------------------------------
+    def _grant(self, token: bytes, nbytes: int, runs_bytes: int) -> TcpGrant:
+        return TcpGrant(self.host, self.port, token, nbytes, runs_bytes, self.node_id)
 
-        Raises:
-            DataPlaneError: the plane is closed, ``runs`` is empty or leaves the region, or
-                ``nbytes`` exceeds the runs.
-        """
-        blocks = self._check_runs(runs, nbytes)
-        region_views = views(self._mem_or_raise(), payload_spans(runs, self._block_bytes, nbytes))
-        token = new_token()
-        with self._lock:
-            if self._closed:
-                raise DataPlaneError("tcp plane is closed")
-            self._grants[token] = _Served(region_views, nbytes)
-        return msgspec.msgpack.encode(TcpGrant(self.host, self.port, token, nbytes,
-                                               blocks * self._block_bytes, self.node_id))
-
-    def revoke(self, plane_grant: bytes) -> None:
-        """Stop serving ``plane_grant``: later requests get UNKNOWN_GRANT, a send in progress is
-        aborted (its connection shut down) before this returns. Unknown or malformed grants: no-op.
-        """
-        token = grant_token(grant_decoder, plane_grant)
-        if token is None:
-            _log.debug("tcp plane: revoke of a malformed grant ignored")
-            return
-        with self._lock:
-            served = self._grants.pop(token, None)
-            if served is None:
-                return
-            served.revoked = True  # a sender checks it under served.lock before each sendmsg
-        # A sender between two sendmsg calls (or done) frees served.lock at once and then stops;
-        # one blocked on a full socket buffer (a slow or gone consumer) is woken by a shutdown.
-        if not served.lock.acquire(timeout=_REVOKE_GRACE_S):
-            with self._lock:
-                senders = list(served.senders)
-            for sock in senders:
-                shutdown_quietly(sock)
-            if not served.lock.acquire(timeout=self._opt.io_timeout_s):  # pragma: no cover
-                _log.error("tcp plane: a send of a revoked grant did not stop")
-                return
-        served.lock.release()
-
-    def poll_notifications(self) -> list[bytes]:
-        return self._notifs.drain()
-
-    # -- consumer side ----------------------------------------------------------------------------
-    def start(self, prepared: Any, plane_grant: bytes, runs: Sequence[Run], nbytes: int,
-              notif: bytes) -> Receive:
-        """Request the granted blocks and receive them into local ``runs`` (background thread).
-
-        ``prepared`` is the session's :meth:`bind_peer` result: the grant must name exactly the
-        declared host, port and node, and the connection goes to the checked addresses only.
-        None (a producer that declared nothing): the grant's host is used as is (logged once).
-
-        Raises:
-            DataPlaneError: malformed grant, a grant not covered by ``prepared`` (nothing was
-                connected), runs/nbytes that do not match it, an oversized ``notif``, too many
-                receives in flight, or the plane is closed.
-        """
-        try:
-            grant = grant_decoder.decode(plane_grant)
-        except (msgspec.DecodeError, TypeError) as exc:
-            raise DataPlaneError(f"malformed tcp grant ({len(plane_grant)} bytes): {exc}") from exc
-        addrs: tuple[str, ...]
-        if prepared is None:
-            self._warn_unbound(grant)
-            key, addrs, node = (0, grant.host, grant.port), (grant.host,), grant.node
-        else:
-            binding = check_grant(prepared, self.name, grant.host, grant.port, grant.node)
-            key, addrs, node = (binding.scope, grant.host, grant.port), binding.addrs, binding.node
-        blocks = self._check_runs(runs, nbytes)
-        local_bytes = blocks * self._block_bytes
-        if grant.runs_bytes != local_bytes or grant.nbytes != nbytes:
-            raise DataPlaneError(
-                f"tcp grant of {grant.host}:{grant.port} covers {grant.nbytes} bytes in "
-                f"{grant.runs_bytes} bytes of blocks, the local transfer is {nbytes} bytes in "
-                f"{local_bytes}; both sides must use the same block_bytes and block count")
-        if len(notif) > MAX_NOTIF_BYTES:
-            raise DataPlaneError(f"notif is {len(notif)} bytes, at most {MAX_NOTIF_BYTES}")
-        local = views(self._mem_or_raise(), payload_spans(runs, self._block_bytes, nbytes))
-        handle = Receive(nbytes)
-        request = frame(TcpRequest(TCP_WIRE_VERSION, grant.token, bytes(notif)))
-        with self._lock:
-            if self._closed:
-                raise DataPlaneError("tcp plane is closed")
-            self._receives.admit_locked(handle)
-            if node:
-                self._pool.note_locked(node, key)
-            handle.start(self._receive, (handle, key, addrs, request, local),
-                         f"ectransport-tcp-recv-{grant.port}")
-        return handle
-
-    def check(self, handle: Any) -> XferState:
-        """PROC, DONE or ERR; a released handle keeps its last state (ERR if it was in flight)."""
-        return receive_state(handle)
-
-    def release(self, handle: Any) -> None:
-        """Cancel (shut its connection down if mid-transfer) and forget a receive; idempotent.
-
-        When this returns no more bytes land in the handle's local blocks.
-        """
-        self._receives.release(handle)
-
-    def forget_peer(self, peer: str) -> None:
-        """Close the pooled connections to producer node ``peer``; unknown names: no-op."""
-        for s in self._pool.forget(peer):
-            close_quietly(s)
-
-    def close(self) -> None:
-        """Stop serving, cancel every receive, close every socket, join threads; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            grants = list(self._grants.values())
-            self._grants.clear()
-            self._acceptor.close_locked()
-            handles = self._receives.snapshot_locked()
-            pooled = self._pool.close_locked()
-        for served in grants:
-            served.revoked = True
-        self._acceptor.stop()
-        for h in handles:
-            self.release(h)
-        for s in pooled:
-            close_quietly(s)
-        self._acceptor.join_and_close([h.thread for h in handles if h.thread], _JOIN_S)
-        self._notifs.clear()
-        self._mem = None  # views held by finished transfers keep the buffer alive on their own
-
-    # -- producer internals -----------------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
-        """One connection (on its :class:`Acceptor` thread, which closes it): read request
-        headers until EOF, error or idle timeout."""
-        while not self._closed:
-            try:
-                head = recv_exact(conn, PREFIX_BYTES, self._opt.idle_timeout_s,
-                                  self._opt.io_timeout_s)
-            except (OSError, ValueError):
-                return  # EOF, reset, idle or stalled: just close
-            length = int.from_bytes(head, "big")
-            if not 0 < length <= MAX_HEADER_BYTES:
-                self._refuse(conn, f"header length {length} not in 1..{MAX_HEADER_BYTES}")
-                return
-            try:
-                body = recv_exact(conn, length, self._opt.io_timeout_s, self._opt.io_timeout_s)
-            except (OSError, ValueError):
-                return
-            try:
-                req = request_decoder.decode(body)
-            except (msgspec.DecodeError, TypeError) as exc:
-                self._refuse(conn, f"bad request: {exc}")
-                return
-            if req.v != TCP_WIRE_VERSION:
-                self._refuse(conn, f"tcp wire version {req.v}, expected {TCP_WIRE_VERSION}")
-                return
-            if not self._send_grant(conn, req):
-                return
-
-    def _refuse(self, conn: socket.socket, detail: str) -> None:
-        self._count("bad")
-        _log.debug("tcp plane: %s", detail)
-        try:
-            conn.settimeout(self._opt.io_timeout_s)
-            conn.sendall(frame(TcpReply(TCP_WIRE_VERSION, STATUS_BAD_REQUEST, 0, detail[:200])))
-        except OSError:
-            pass
-
-    def _send_grant(self, conn: socket.socket, req: TcpRequest) -> bool:
-        """Serve one request; True if the connection can take another."""
-        with self._lock:
-            served = self._grants.get(req.token)
-            if served is not None:
-                served.senders.add(conn)
-        if served is None:
-            self._count("unknown")
-            try:
-                conn.settimeout(self._opt.io_timeout_s)
-                conn.sendall(frame(TcpReply(TCP_WIRE_VERSION, STATUS_UNKNOWN_GRANT, 0,
-                                            "unknown or revoked grant")))
-            except OSError:
-                return False
-            return True
-        try:
-            head = memoryview(frame(TcpReply(TCP_WIRE_VERSION, STATUS_OK, served.nbytes)))
-            bufs = [head, *served.views]
-            conn.settimeout(self._opt.io_timeout_s)
-            i = 0
-            while i < len(bufs):
-                with served.lock:
-                    if served.revoked or self._closed:
-                        self._count("aborted")
-                        return False
-                    sent = _send_some(conn, bufs, i)
-                while sent:  # advance past what went out
-                    n = len(bufs[i])
-                    if sent >= n:
-                        sent -= n
-                        i += 1
-                    else:
-                        bufs[i] = bufs[i][sent:]
-                        sent = 0
-        except OSError as exc:
-            self._count("aborted")
-            _log.debug("tcp plane: send aborted: %s", exc)
-            return False
-        finally:
-            with self._lock:
-                served.senders.discard(conn)
-        self._count("served")
-        self._notifs.push(req.notif)
+    def _send_grant(self, conn: socket.socket, state: Any, req: RequestLike,
+                    served: ServedGrant) -> bool:
+        """The OK reply and the granted views with ``sendmsg`` straight from the region (no
+        intermediate copy), each call one revocable step."""
+        head = memoryview(frame(TcpReply(TCP_WIRE_VERSION, STATUS_OK, served.nbytes)))
+        bufs = [head, *served.views]
+        conn.settimeout(self._opt.io_timeout_s)
+        i = 0
+        while i < len(bufs):
+            with served.step() as go:
+                if not go:
+                    self._count("aborted")
+                    return False
+                sent = _send_some(conn, bufs, i)
+            while sent:  # advance past what went out
+                n = len(bufs[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][sent:]
+                    sent = 0
         return True
 
-    # -- consumer internals -----------------------------------------------------------------------
-    def _receive(self, handle: Receive, key: tuple[int, str, int], addrs: tuple[str, ...],
-                 request: bytes, views: list[memoryview]) -> None:
-        """Receive thread: request, reply header, payload into ``views``; sets DONE or ERR.
+    # -- consumer hooks ---------------------------------------------------------------------------
+    def _route(self, prepared: Any, grant: TcpGrant) -> _Route:
+        """The grant must name exactly the declared host, port and node, and the connection goes
+        to the checked addresses only. ``prepared`` None (a producer that declared nothing): the
+        grant's host is used as is (logged once).
 
-        Reads are bounded: the reply header by :data:`MAX_HEADER_BYTES`, the payload by the
-        grant's ``nbytes`` (a reply announcing another size fails). The connection is pooled
-        again only if nothing is left unread on it (:func:`unread_state`).
+        Raises:
+            DataPlaneError: ``prepared`` is not a tcp binding, or the grant names another host,
+                port or node (:func:`~ectransport.data.binding.check_grant`).
         """
-        sock = None
-        endpoint = key[1:]
-        try:
-            for attempt in (0, 1):
-                sock, reused = self._connection(key, addrs, fresh=attempt > 0)
-                with handle.sock_lock:
-                    if handle.cancelled:
-                        return
-                    handle.sock = sock
-                try:
-                    sock.sendall(request)
-                    head = recv_exact(sock, PREFIX_BYTES, self._opt.io_timeout_s,
-                                      self._opt.io_timeout_s)
-                    break
-                except (PeerClosed, ConnectionResetError, BrokenPipeError):
-                    if not reused or handle.cancelled:
-                        raise
-                    close_quietly(sock)  # a stale pooled connection: retry once on a fresh one
-                    sock = None
-            # the second attempt is on a fresh connection, whose failure re-raises: the loop
-            # only ends by a break, with a connection
-            assert sock is not None
-            length = int.from_bytes(head, "big")
-            if not 0 < length <= MAX_HEADER_BYTES:
-                raise DataPlaneError(f"producer reply header of {length} bytes")
-            reply = reply_decoder.decode(
-                recv_exact(sock, length, self._opt.io_timeout_s, self._opt.io_timeout_s))
-            if reply.status != STATUS_OK:
-                handle.detail = f"producer refused: status {reply.status} ({reply.detail})"
-                if reply.status == STATUS_UNKNOWN_GRANT:  # the stream is in sync: reusable
-                    with handle.sock_lock:
-                        reusable, handle.sock = not handle.cancelled, None
-                    if reusable and unread_state(sock) == "clean":
-                        self._give_back(key, sock)
-                        sock = None
-                return
-            if reply.nbytes != handle.nbytes:
-                raise DataPlaneError(f"producer sends {reply.nbytes} bytes, expected "
-                                     f"{handle.nbytes}")
-            sock.settimeout(self._opt.io_timeout_s)
-            for view in views:
-                got, n = 0, len(view)
-                while got < n:
-                    with handle.io_lock:
-                        if handle.cancelled:
-                            return
-                        k = sock.recv_into(view[got:])
-                    if k == 0:
-                        raise PeerClosed(f"producer closed after {got} of {n} bytes of a run")
-                    got += k
-            left = unread_state(sock)
-            if left == "pending":  # which bytes were the reply's? fail rather than guess
-                raise DataPlaneError(f"producer sent more than the {handle.nbytes} bytes granted "
-                                     f"(unread bytes follow the payload); connection closed")
-            with handle.io_lock, handle.sock_lock:
-                if handle.cancelled:
-                    return
-                handle.sock = None  # ours alone now: a later release cannot shut it down
-                handle.state = XferState.DONE
-            if left == "clean":
-                self._give_back(key, sock)
-                sock = None
-        except (OSError, ValueError, msgspec.DecodeError, DataPlaneError) as exc:
-            handle.detail = f"{type(exc).__name__}: {exc}"
-            _log.debug("tcp plane: receive from %s:%d failed: %s", *endpoint, exc)
-        except Exception:
-            handle.detail = "internal error"
-            _log.exception("tcp plane: receive thread failed")
-        finally:
-            close_quietly(sock)
-            handle.settle()
+        if prepared is None:
+            self._warn_unbound(grant)
+            return _Route((0, grant.host, grant.port), (grant.host,), grant.node)
+        binding = check_grant(prepared, self.name, grant.host, grant.port, grant.node)
+        return _Route((binding.scope, grant.host, grant.port), binding.addrs, binding.node)
 
-    def _connection(self, key: tuple[int, str, int], addrs: tuple[str, ...], fresh: bool
-                    ) -> tuple[socket.socket, bool]:
-        """A pooled connection of ``key`` that has nothing pending (others are closed), or a new
-        one to the first of ``addrs`` that answers on ``key``'s port; ``(sock, reused)``."""
-        while not fresh:
-            idle = self._pool.take(key)
-            if idle is None:
-                break
-            if unread_state(idle) == "clean":
-                return idle, True
-            _log.debug("tcp plane: pooled connection to %s:%d had unread bytes or was closed",
-                       key[1], key[2])
-            close_quietly(idle)
+    def _admit_locked(self, route: _Route, grant: TcpGrant) -> None:
+        if route.node:
+            self._pool.note_locked(route.node, route.key)
+
+    def _pool_key(self, route: _Route) -> Hashable:
+        return route.key
+
+    def _may_pool_locked(self, route: _Route) -> bool:
+        """Not once its binding was unbound (unbound grants: scope 0, always)."""
+        return route.key[0] == 0 or route.key[0] in self._bound
+
+    def _connect(self, route: _Route) -> Channel:
+        """A connection to the first of ``route.addrs`` that answers on its port."""
+        port = route.key[2]
         error: OSError | None = None
-        for addr in addrs:
+        for addr in route.addrs:
             try:
-                sock = socket.create_connection((addr, key[2]),
+                sock = socket.create_connection((addr, port),
                                                 timeout=self._opt.connect_timeout_s)
                 break
             except OSError as exc:
                 error = exc
         else:
-            raise error or OSError(f"no address to connect to for {key[1]}:{key[2]}")
+            raise error or OSError(f"no address to connect to for {route.key[1]}:{port}")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
         sock.settimeout(self._opt.io_timeout_s)
-        return sock, False
+        return Channel(sock)
 
-    def _give_back(self, key: tuple[int, str, int], sock: socket.socket) -> None:
-        """Pool ``sock`` unless its binding was unbound meanwhile (or the pool is full)."""
-        with self._lock:
-            pooled = (key[0] == 0 or key[0] in self._bound) and self._pool.put_locked(key, sock)
-        if not pooled:
-            close_quietly(sock)
+    def _receive_payload(self, handle: Receive, chan: Channel, reply: Any,
+                         local: list[memoryview]) -> None:
+        """``recv_into`` the local views straight (no intermediate copy)."""
+        sock = chan.sock
+        sock.settimeout(self._opt.io_timeout_s)
+        for view in local:
+            got, n = 0, len(view)
+            while got < n:
+                with handle.io_lock:
+                    if handle.cancelled:
+                        return
+                    k = sock.recv_into(view[got:])
+                if k == 0:
+                    raise PeerClosed(f"producer closed after {got} of {n} bytes of a run")
+                got += k
 
     def _warn_unbound(self, grant: TcpGrant) -> None:
         if not self._warned_unbound:
@@ -638,23 +333,6 @@ class TcpPlane(DataTransport):
                 "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
                 "a compromised producer could point this consumer elsewhere (issue 17); logged "
                 "once", self.node_id, grant.host, grant.port)
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.stats[what] += 1
-
-    # -- shared -----------------------------------------------------------------------------------
-    def _mem_or_raise(self) -> memoryview:
-        mem = self._mem
-        if mem is None or self._closed:
-            raise DataPlaneError("tcp plane is closed")
-        return mem
-
-    def _check_runs(self, runs: Sequence[Run], nbytes: int) -> int:
-        """Validate ``runs``/``nbytes`` against the region; the number of blocks."""
-        if self._closed:
-            raise DataPlaneError("tcp plane is closed")
-        return check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
 
 
 def _send_some(sock: socket.socket, bufs: list[memoryview], i: int) -> int:

@@ -7,14 +7,18 @@ followed by exactly ``nbytes`` payload bytes. See :mod:`ectransport.data.tcp` fo
 
 from __future__ import annotations
 
-import socket
-import time
 from typing import Annotated
 
 import msgspec
 
 from ectransport.data.binding import HostEndpoint
-from ectransport.data.serving import TOKEN_BYTES, PeerClosed
+from ectransport.data.framing import recv_exact
+from ectransport.data.serving import (
+    STATUS_BAD_REQUEST,
+    STATUS_OK,
+    STATUS_UNKNOWN_GRANT,
+    TOKEN_BYTES,
+)
 
 #: Version of the TCP plane's own wire format (request/reply headers), checked on every header.
 TCP_WIRE_VERSION = 1
@@ -23,9 +27,8 @@ MAX_HEADER_BYTES = 4096
 #: Largest ``notif`` a request may carry, bytes.
 MAX_NOTIF_BYTES = 2048
 
-STATUS_OK = 0
-STATUS_UNKNOWN_GRANT = 1  #: never granted, revoked, or the plane is closing
-STATUS_BAD_REQUEST = 2
+# Reply statuses (STATUS_OK 0, STATUS_UNKNOWN_GRANT 1, STATUS_BAD_REQUEST 2): those of every
+# socket-serving plane, ectransport.data.serving.
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK",
@@ -80,30 +83,3 @@ grant_decoder = msgspec.msgpack.Decoder(TcpGrant)
 endpoint_decoder = msgspec.msgpack.Decoder(TcpEndpoint)
 request_decoder = msgspec.msgpack.Decoder(TcpRequest)
 reply_decoder = msgspec.msgpack.Decoder(TcpReply)
-
-
-def recv_exact(sock: socket.socket, n: int, first_timeout_s: float, timeout_s: float) -> bytes:
-    """``n`` bytes; the first byte may take ``first_timeout_s``, the rest ``timeout_s`` in all.
-
-    Raises:
-        PeerClosed: EOF first. TimeoutError / OSError: a stall or a socket error.
-    """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    sock.settimeout(first_timeout_s)
-    deadline = None
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"header stalled after {got} of {n} bytes")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise PeerClosed(f"peer closed after {got} of {n} bytes")
-        got += k
-        if deadline is None:
-            deadline = time.monotonic() + timeout_s
-    return bytes(buf)
-

@@ -24,7 +24,7 @@ subclass inherits every ``test_*`` method. A plane whose :meth:`probe` fails, or
 ``"DRAM"``, is skipped. Knobs (class attributes): :attr:`PlaneConformance.block_bytes`,
 :attr:`~PlaneConformance.num_blocks`, :attr:`~PlaneConformance.deadline_s`,
 :attr:`~PlaneConformance.release_stops_landing`, :attr:`~PlaneConformance.revoke_refuses`,
-:attr:`~PlaneConformance.control_host`.
+:attr:`~PlaneConformance.control_host`, :attr:`~PlaneConformance.public_api_only`.
 
 Planes are built as the nodes build them (plugin API 2): ``Plane(node_id=..., region=...,
 identity=..., **plane_options)``, each node with its own identity; the consumer binds the
@@ -33,7 +33,11 @@ producer's :meth:`~DataTransport.endpoint` once (``bind_peer(..., host=control_h
 
 What is checked (each test bounded by ``deadline_s`` and cleaning up after itself):
 
-* declarations: name, plugin API version, :class:`Capabilities`, ``probe``, ``describe_transport``;
+* declarations: name, :class:`Capabilities`, ``probe``, ``describe_transport``;
+* the plugin API: the class declares ``plugin_api_version`` itself and it is this ectransport's
+  :data:`~ectransport.plugin.PLUGIN_API_VERSION` (what the registry requires to load it), and a
+  plane outside ectransport imports nothing of ectransport but the public module
+  :mod:`ectransport.plugin` (:func:`private_imports`; knob :attr:`~PlaneConformance.public_api_only`);
 * session binding (API 2, issue 17: a compromised producer must not redirect a consumer):
   ``endpoint()`` is bytes of at most ``MAX_ENDPOINT_BYTES`` and ``locality()`` of at most
   ``MAX_LOCALITY_BYTES``; the producer can reach the consumer's locality; ``bind_peer`` accepts the
@@ -67,28 +71,34 @@ producer.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 import pytest
 
-from ectransport.data.base import (
+from ectransport.data.registry import check_plane
+from ectransport.plugin import (
     MAX_ENDPOINT_BYTES,
     MAX_LOCALITY_BYTES,
     PLUGIN_API_VERSION,
     Capabilities,
+    DataPlaneError,
     DataTransport,
+    PlaneUnavailable,
+    Run,
     TransferModel,
     XferState,
     identity_of,
 )
-from ectransport.errors import DataPlaneError
-from ectransport.store import HostRegion, Run
+from ectransport.store import HostRegion
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -170,6 +180,61 @@ def notif_arrives(plane: DataTransport, notif: bytes, timeout_s: float) -> bool:
     return False
 
 
+#: The module plugins import (everything else of ectransport is internal).
+PUBLIC_MODULE = "ectransport.plugin"
+
+
+def ectransport_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``source`` (Python text) of an ectransport module
+    other than :data:`PUBLIC_MODULE`: ``import ectransport.x``, ``from ectransport.x import y``,
+    ``from ectransport import x`` (x not ``plugin``), ``import ectransport``. Relative imports
+    and strings are not imports; ``importlib.import_module`` calls are not seen.
+
+    Raises:
+        SyntaxError: ``source`` is not Python.
+    """
+    def private(module: str) -> bool:
+        return module == "ectransport" or (module.startswith("ectransport.")
+                                           and module != PUBLIC_MODULE)
+
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "ectransport":
+                out += [(node.lineno, f"ectransport.{a.name}") for a in node.names
+                        if f"ectransport.{a.name}" != PUBLIC_MODULE]
+            elif private(node.module):
+                out.append((node.lineno, node.module))
+    return out
+
+
+def package_files(package: str) -> list[Path]:
+    """The ``.py`` files of an importable package (or the one file of a module), sorted.
+
+    Raises:
+        ModuleNotFoundError: no such package.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise ModuleNotFoundError(f"no package {package!r}")
+    if spec.submodule_search_locations:
+        return sorted(p for d in spec.submodule_search_locations for p in Path(d).rglob("*.py"))
+    return [Path(spec.origin)] if spec.origin else []
+
+
+def private_imports(package: str) -> list[str]:
+    """``"path:line: module"`` for every import of ectransport internals (anything but
+    :data:`PUBLIC_MODULE`, see :func:`ectransport_imports`) in the source of ``package``.
+
+    Raises:
+        ModuleNotFoundError: no such package.
+    """
+    return [f"{path}:{line}: {module}" for path in package_files(package)
+            for line, module in ectransport_imports(path.read_text())]
+
+
 def blocks_for(nbytes: int, block_bytes: int) -> int:
     return max(1, -(-nbytes // block_bytes))
 
@@ -246,6 +311,9 @@ class PlaneConformance:
     #: the host the consumer "dialed for the control plane" (``bind_peer``'s ``host``); planes
     #: whose producer advertises another address of this machine set it to that address
     control_host: ClassVar[str] = "127.0.0.1"
+    #: whether a plane outside ectransport must import nothing of ectransport but
+    #: ``ectransport.plugin`` (the only module whose names are stable under a plugin API version)
+    public_api_only: ClassVar[bool] = True
 
     # -- hooks -------------------------------------------------------------------------------------
     @pytest.fixture
@@ -320,12 +388,36 @@ class PlaneConformance:
     def test_declarations(self, checked_class, pair):
         cls = checked_class
         assert isinstance(cls.name, str) and cls.name
-        assert cls.plugin_api_version == PLUGIN_API_VERSION
         assert isinstance(cls.capabilities, Capabilities)
         assert isinstance(cls.capabilities.transfer_model, TransferModel)
         ok, why = cls.probe()
         assert ok is True and isinstance(why, str)
         assert isinstance(pair.producer.describe_transport(), str)
+
+    # -- the plugin API ------------------------------------------------------------------------------
+    def test_plugin_api_version(self, plane_class):
+        """The class declares the API it implements, and it is this ectransport's: exactly what
+        the registry checks before loading a plane (a plane inheriting ``DataTransport``'s
+        default, or written for another API version, is never loaded)."""
+        try:
+            check_plane(plane_class, plane_class.__name__)
+        except PlaneUnavailable as exc:
+            pytest.fail(f"{exc}; this ectransport implements plugin API {PLUGIN_API_VERSION} "
+                        f"(ectransport.plugin.PLUGIN_API_VERSION)")
+        assert plane_class.plugin_api_version == PLUGIN_API_VERSION
+
+    def test_imports_only_the_public_plugin_api(self, plane_class):
+        """A plane outside ectransport imports ectransport only through ``ectransport.plugin``:
+        the names stable under its plugin API version."""
+        package = plane_class.__module__.split(".")[0]
+        if package == "ectransport":
+            pytest.skip("a built-in plane: part of ectransport itself")
+        if not self.public_api_only:
+            pytest.skip("public_api_only = False")
+        bad = private_imports(package)
+        assert not bad, (f"{package} imports ectransport internals (import them from "
+                         f"{PUBLIC_MODULE} instead, or ask for them to be added there):\n"
+                         + "\n".join(bad))
 
     # -- session binding (plugin API 2, issue 17) ---------------------------------------------------
     def test_session_binding_declarations(self, pair):

@@ -28,7 +28,7 @@ class TestTcpConformance(PlaneConformance):
         """What the producer will serve for this grant: its registered views, as region offsets."""
         token = msgspec.msgpack.decode(plane_grant, type=TcpGrant).token
         base = plane._mem  # noqa: SLF001 - the suite's white-box hook
-        served = plane._grants[token]  # noqa: SLF001
+        served = plane._grants.lookup(token)  # noqa: SLF001
         import numpy as np
 
         origin = np.frombuffer(base, dtype=np.uint8).ctypes.data

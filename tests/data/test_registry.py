@@ -26,6 +26,12 @@ class NotAPlane:
     pass
 
 
+class UndeclaredPlane(DataTransport):
+    """Inherits DataTransport's default version: says nothing about what it was written for."""
+
+    name = "undeclared"
+
+
 class _Dist:
     def __init__(self, name):
         self.name = name
@@ -56,6 +62,7 @@ def test_broken_plugins_are_skipped_with_a_clear_reason(fake_eps, caplog):
         _ep("nomodule", "no_such_module_xyz:Plane", "ext-a"),
         _ep("notaplane", f"{__name__}:NotAPlane", "ext-b"),
         _ep("oldapi", f"{__name__}:OldApiPlane", "ext-c"),
+        _ep("undeclared", f"{__name__}:UndeclaredPlane", "ext-e"),
         _ep("good", "ectransport.data.tcp:TcpPlane", "ext-d"),
     ]
     with pytest.raises(PlaneUnavailable, match="failed to import"):
@@ -64,6 +71,8 @@ def test_broken_plugins_are_skipped_with_a_clear_reason(fake_eps, caplog):
         registry.load_plane("notaplane")
     with pytest.raises(PlaneUnavailable, match="plugin API 0"):
         registry.load_plane("oldapi")
+    with pytest.raises(PlaneUnavailable, match="declares no plugin_api_version"):
+        registry.load_plane("undeclared")
     with caplog.at_level(logging.WARNING, logger="ectransport.data.registry"):
         assert registry.try_load("nomodule") is None  # discovery never crashes
     assert "skipping data plane" in caplog.text

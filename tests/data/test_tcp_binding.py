@@ -341,7 +341,7 @@ def test_bytes_pushed_ahead_of_a_request_are_never_taken_for_its_reply(hostile_e
     h1.thread.join(DEADLINE_S)  # the connection is back in the pool
     consumer.release(h1)
     key = (binding.scope, "127.0.0.1", fake.port)
-    pooled = consumer._pool._idle[key]  # noqa: SLF001 - white box: wait for the bytes to land
+    pooled = [c.sock for c in consumer._pool._idle[key]]  # noqa: SLF001 - white box
     assert len(pooled) == 1
     push_now.set()
     assert pushed.wait(DEADLINE_S)
@@ -384,7 +384,7 @@ def test_bytes_pushed_before_the_first_request_never_reach_the_next_fetch(hostil
     consumer.release(h)
     assert second_sent.wait(DEADLINE_S)
     key = (binding.scope, "127.0.0.1", fake.port)
-    pooled = consumer._pool._idle.get(key, [])  # noqa: SLF001 - white box: wait for the bytes
+    pooled = [c.sock for c in consumer._pool._idle.get(key, [])]  # noqa: SLF001 - white box
     if pooled:  # DONE and pooled before the second reply came: wait until it is there
         select.select([pooled[0]], [], [], DEADLINE_S)
         assert unread_state(pooled[0]) == "pending"

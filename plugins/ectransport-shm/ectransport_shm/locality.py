@@ -49,7 +49,7 @@ import msgspec
 SOCKET_PREFIX = "ectransport-shm."
 KEY_BYTES = 32
 NONCE_BYTES = 16
-#: Identities the plane accepts: what :func:`ectransport.data.base.identity_of` makes, or "".
+#: Identities the plane accepts: what :func:`ectransport.plugin.identity_of` makes, or "".
 IDENTITY_RE = re.compile(r"^[0-9a-f]{0,64}$")
 _PROOF_LABEL = b"ectransport-shm/2 socket proof\0"
 

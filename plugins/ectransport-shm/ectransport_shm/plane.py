@@ -2,7 +2,7 @@
 
 Both nodes' regions are plain host memory (:class:`ectransport.store.HostRegion`, anonymous), so
 neither side can map the other's blocks. The plane is therefore PUSH-model (see
-:mod:`ectransport.data.base`) with a shared bounce buffer:
+:mod:`ectransport.plugin`) with a shared bounce buffer:
 
 1. Producer, at construction: listens on a Linux *abstract* Unix socket
    (``@ectransport-shm.<identity>.<pid>.<random>``; nothing in the file system, nothing to leak),
@@ -18,7 +18,7 @@ neither side can map the other's blocks. The plane is therefore PUSH-model (see
    returns a msgpack :class:`~ectransport_shm.wire.ShmGrant` (socket name, boot id, token, sizes).
    No region address leaves the producer.
 4. Consumer, :meth:`ShmPlane.start`: refuses, before any I/O, a grant not covered by the session's
-   binding (:class:`~ectransport.errors.DataPlaneError`); else a background thread takes a pooled
+   binding (:class:`~ectransport.plugin.DataPlaneError`); else a background thread takes a pooled
    connection to the bound socket (or opens one, and checks the listener's proof of the plane
    key) and sends :class:`~ectransport_shm.wire.ShmRequest` ``{token, notif}``.
 5. Producer: the first request on a connection creates the connection's segment
@@ -47,53 +47,45 @@ truncate the segment under the producer (which would SIGBUS it). Every socket wa
 ``io_timeout_s``; a vanished peer (EOF) ends the transfer in ERR.
 
 Same host and same network namespace only, Linux only (abstract sockets, ``SCM_RIGHTS``,
-``/proc``). The request-serving skeleton (accept loop, receive handles, pool) is shared with the
-TCP plane through :mod:`ectransport.data.serving`; the framing and stream checks here still
-duplicate the TCP plane's in spirit (see the plugin README).
+``/proc``).
+
+Built on ``ectransport.plugin.SocketServingPlane`` (this plugin imports nothing of ectransport but
+``ectransport.plugin``), shared with the TCP plane: the grant registry and its revoke rule (a
+revoked grant is refused from then on; a chunk copy in progress is waited out, so no byte of the
+region is read for it once ``revoke`` returns), the accept and receive threads, the connection
+pool and its "nothing unread" rule, framing and bounded reads, and teardown. This module adds the
+abstract socket and its proof, the session binding, and the ring.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import hmac
-import logging
 import os
 import secrets
 import shutil
 import socket
 import sys
-import threading
-from collections.abc import Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
 import numpy as np
-from ectransport.data.base import (
+from ectransport.plugin import (
     PLUGIN_API_VERSION,
+    STATUS_OK,
     Capabilities,
-    DataTransport,
-    RegionLike,
-    TransferModel,
-    XferState,
-)
-from ectransport.data.options import SERVING_DEFAULTS, ServingOptions, reject_unknown
-from ectransport.data.runs import check_runs, payload_spans
-from ectransport.data.serving import (
-    Acceptor,
-    ConnectionPool,
-    Notifications,
+    Channel,
+    ConfigError,
+    DataPlaneError,
     PeerClosed,
     Receive,
-    Receives,
-    close_quietly,
+    RegionLike,
+    RequestLike,
+    ServedGrant,
+    SocketServingPlane,
+    TransferModel,
     frame,
-    grant_token,
-    new_token,
-    receive_state,
 )
-from ectransport.errors import ConfigError, DataPlaneError
-from ectransport.store import Run
 
 from ectransport_shm import locality, segments
 from ectransport_shm.locality import (
@@ -109,50 +101,31 @@ from ectransport_shm.locality import (
 )
 from ectransport_shm.wire import (
     ACK,
+    MAX_HEADER_BYTES,
     MAX_NOTIF_BYTES,
     PROGRESS_BYTES,
     SHM_WIRE_VERSION,
     STATUS_BAD_REQUEST,
     STATUS_INTERNAL,
-    STATUS_OK,
-    STATUS_UNKNOWN_GRANT,
     ShmGrant,
     ShmHello,
     ShmProof,
     ShmReply,
     ShmRequest,
-    close_fds,
-    grant_decoder,
     hello_decoder,
     proof_decoder,
-    quiet,
     recv_header,
-    reply_decoder,
-    request_decoder,
 )
 
 __all__ = ["MAX_NOTIF_BYTES", "SHM_WIRE_VERSION", "ShmGrant", "ShmPlane"]
 
-_log = logging.getLogger(__name__)
 
-_JOIN_S = 2.0
-
-_OPTIONS = {
-    "segment_dir": segments.DEFAULT_SEGMENT_DIR,  # where segments are created
-    "segment_bytes": 16 << 20,  # producer: ring segment per connection
-    "chunk_bytes": 2 << 20,  # producer: ring slot (pipelining unit)
-    **SERVING_DEFAULTS,  # timeouts and thread/pool bounds (io_timeout_s: one header, chunk or ack)
-}
-
-
-def _payload_views(mem: np.ndarray, runs: Sequence[Run], block_bytes: int,
-                   nbytes: int) -> list[tuple[int, np.ndarray]]:
-    """``(payload offset, view)`` covering the first ``nbytes`` bytes of ``runs``, adjacent runs
-    merged."""
+def _arrays(views: list[memoryview]) -> list[tuple[int, np.ndarray]]:
+    """``(payload offset, uint8 array)`` of each view (no copy), in payload order."""
     out, pos = [], 0
-    for off, n in payload_spans(runs, block_bytes, nbytes):
-        out.append((pos, mem[off:off + n]))
-        pos += n
+    for v in views:
+        out.append((pos, np.frombuffer(v, dtype=np.uint8)))
+        pos += v.nbytes
     return out
 
 
@@ -173,25 +146,23 @@ def _copy_span(views: list[tuple[int, np.ndarray]], lo: int, hi: int, seg: np.nd
             np.copyto(v[a - vo:b - vo], s)
 
 
-class _Served:
-    """Producer side: one registered grant."""
+class _ServerConn:
+    """Producer side: one accepted connection's state (its ring segment, made at the first
+    non-empty grant)."""
 
-    __slots__ = ("lock", "nbytes", "revoked", "views")
+    __slots__ = ("seg",)
 
-    def __init__(self, views: list[tuple[int, np.ndarray]], nbytes: int):
-        self.views = views
-        self.nbytes = nbytes
-        self.revoked = False
-        self.lock = threading.Lock()  # held during each chunk copy out of the region
+    def __init__(self) -> None:
+        self.seg: segments.Segment | None = None
 
 
-class _Chan:
+class _Chan(Channel):
     """Consumer side: a connection to a producer and the segment it mapped for us."""
 
-    __slots__ = ("chunk_bytes", "mm", "seg", "sock")
+    __slots__ = ("chunk_bytes", "mm", "seg")
 
     def __init__(self, sock: socket.socket):
-        self.sock = sock
+        super().__init__(sock)
         self.mm = None
         self.seg: np.ndarray | None = None
         self.chunk_bytes = 0
@@ -212,32 +183,33 @@ class _Chan:
             self.mm = None
 
     def close(self) -> None:
-        close_quietly(self.sock)
+        super().close()
         self.drop_segment()
 
 
-class ShmPlane(DataTransport):
+class ShmPlane(SocketServingPlane[ShmGrant, ShmBinding, _Chan]):
     """Same-host PUSH plane through a pooled POSIX shared-memory ring (see the module docstring).
 
     Args:
         node_id: this node's id (put in grants and in the declaration).
         region: the node's DRAM region (``buf`` if present, else ``addr``/``nbytes``); it must
             outlive the plane.
-        identity: the node's authenticated identity (:func:`ectransport.data.base.identity_of`
-            of its CURVE public key; ``""`` in insecure mode): lower-case hex, at most 64 digits.
+        identity: the node's authenticated identity (``ectransport.plugin.identity_of`` of its
+            CURVE public key; ``""`` in insecure mode): lower-case hex, at most 64 digits.
             It is part of the socket name and of the declaration, so a consumer can check that the
             socket belongs to the producer it authenticated.
         segment_dir ["/dev/shm"]: where segments are created.
         segment_bytes [16 MiB] / chunk_bytes [2 MiB]: ring size and slot size; segment_bytes a
             multiple of chunk_bytes.
-        connect_timeout_s [5], io_timeout_s [10], idle_timeout_s [60]: socket waits, seconds.
+        connect_timeout_s [5], io_timeout_s [10], idle_timeout_s [60]: socket waits, seconds
+            (io_timeout_s: one header, chunk or ack).
         max_connections [64], max_inflight [64], max_idle_per_peer [8]: thread and pool bounds.
 
     Thread safety: every method may be called from any thread.
 
-    ``stats`` counts ``accepted``/``refused`` connections, ``served``/``aborted``/``unknown``
-    grants and ``bad`` requests (producer), and ``stale``/``stray`` connections not reused and
-    ``proof_failed`` listeners (consumer).
+    ``stats`` counts what ``SocketServingPlane`` counts (``accepted``/``refused`` connections,
+    ``served``/``aborted``/``unknown`` grants, ``bad`` requests, ``stale``/``stray``
+    connections not reused) and ``proof_failed`` listeners (consumer).
 
     Raises:
         ConfigError: unknown or invalid option or identity, a non-DRAM region.
@@ -252,62 +224,46 @@ class ShmPlane(DataTransport):
         max_transfer_bytes=None,
         notifications=True,
     )
+    wire_version = SHM_WIRE_VERSION
+    grant_type = ShmGrant
+    request_type = ShmRequest
+    reply_type = ShmReply
+    max_header_bytes = MAX_HEADER_BYTES
+    max_notif_bytes = MAX_NOTIF_BYTES
+    fds_with_replies = True
+    stray_bytes_fail = False  # the payload comes through the segment, never from the stream
+    option_defaults = {
+        "segment_dir": segments.DEFAULT_SEGMENT_DIR,  # where segments are created
+        "segment_bytes": 16 << 20,  # producer: ring segment per connection
+        "chunk_bytes": 2 << 20,  # producer: ring slot (pipelining unit)
+    }
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
-        reject_unknown("shm plane", options, _OPTIONS)
-        opts = {**_OPTIONS, **options}
-        if getattr(region, "mem_kind", "DRAM") != "DRAM":
-            raise ConfigError(f"shm plane moves DRAM only, region is {region.mem_kind!r}")
+        super().__init__(node_id=node_id, region=region, identity=identity, **options)
         if not isinstance(identity, str) or not IDENTITY_RE.match(identity):
             raise ConfigError(f"shm plane identity must be lower-case hex of at most 64 digits "
                               f"(identity_of(public_key)) or empty, got {identity!r}")
+        opts = self._opts
         try:
             self._segment_dir = str(opts["segment_dir"])
             self._segment_bytes = int(opts["segment_bytes"])
             self._chunk_bytes = int(opts["chunk_bytes"])
-            self._opt = ServingOptions.parse(opts)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid shm plane option: {exc}") from exc
         if self._chunk_bytes <= 0 or self._segment_bytes < self._chunk_bytes or \
                 self._segment_bytes % self._chunk_bytes:
             raise ConfigError(f"shm plane segment_bytes ({self._segment_bytes}) must be a positive "
                               f"multiple of chunk_bytes ({self._chunk_bytes})")
-        self._opt.check("shm plane")
         if not os.path.isdir(self._segment_dir):
             raise ConfigError(f"shm plane segment_dir {self._segment_dir!r} is not a directory")
 
-        self.node_id = node_id
-        self._identity = identity
-        self._block_bytes = int(region.block_bytes)
-        self._num_blocks = int(region.nbytes) // self._block_bytes
-        buf = getattr(region, "buf", None)
-        if buf is not None:
-            mem = np.frombuffer(buf, dtype=np.uint8)
-        else:
-            mem = np.ctypeslib.as_array((ctypes.c_ubyte * int(region.nbytes)).from_address(
-                int(region.addr)))
-        if mem.nbytes < self._num_blocks * self._block_bytes:
-            raise ConfigError(f"region buffer has {mem.nbytes} bytes, expected "
-                              f"{self._num_blocks * self._block_bytes}")
-        self._mem: np.ndarray | None = mem
         self._where = locality.here()  # None: /proc unreadable, shm reaches nobody
         self._locality = msgspec.msgpack.encode(self._where) if self._where else b""
         self._boot_id = self._where.boot_id if self._where else locality.boot_id()
         self._host = socket.gethostname()
         self._key = secrets.token_bytes(KEY_BYTES)
-        segments.sweep_stale_segments(self._segment_dir)
-
-        self._lock = threading.Lock()
-        self._closed = False
-        # producer state
-        self._grants: dict[bytes, _Served] = {}
-        self._notifs = Notifications()
-        self.stats: collections.Counter[str] = collections.Counter()
-        # consumer state
-        self._receives = Receives(self._lock, self._opt.max_inflight, "shm plane")
-        self._pool: ConnectionPool[tuple[str, bytes], _Chan] = ConnectionPool(
-            self._lock, self._opt.max_idle_per_peer)
         self._bound: dict[tuple[str, bytes], int] = {}  # pool key -> live bindings
+        segments.sweep_stale_segments(self._segment_dir)
 
         self.socket_name = locality.socket_name(identity, os.getpid(), secrets.token_hex(8))
         self._endpoint = b"" if self._where is None else msgspec.msgpack.encode(ShmEndpoint(
@@ -319,10 +275,7 @@ class ShmPlane(DataTransport):
         except OSError as exc:
             listener.close()
             raise ConfigError(f"shm plane cannot listen on @{self.socket_name}: {exc}") from exc
-        self._acceptor = Acceptor(
-            listener, self._serve, lock=self._lock, stats=self.stats,
-            max_connections=self._opt.max_connections, log=_log, what="shm plane",
-            accept_name="ectransport-shm-accept", serve_name="ectransport-shm-serve")
+        self._listen(listener)
 
     # -- discovery --------------------------------------------------------------------------------
     @classmethod
@@ -422,64 +375,102 @@ class ShmPlane(DataTransport):
         while (chan := self._pool.take(binding.pool_key)) is not None:
             chan.close()
 
-    # -- producer side ----------------------------------------------------------------------------
-    def describe(self, runs: Sequence[Run], nbytes: int) -> bytes:
-        """Register a fresh token for exactly ``runs`` and return the msgpack :class:`ShmGrant`.
+    # -- producer hooks ---------------------------------------------------------------------------
+    def _grant(self, token: bytes, nbytes: int, runs_bytes: int) -> ShmGrant:
+        return ShmGrant(self.socket_name, self._boot_id, self._host[:255], token, nbytes,
+                        runs_bytes, self.node_id[:256])
+
+    def _open_connection(self, conn: socket.socket) -> _ServerConn | None:
+        """Prove to a new connection that this is the plane the session declared (plane key);
+        None (close it) if the hello is missing or wrong."""
+        try:
+            body, _ = recv_header(conn, self._opt.io_timeout_s, self._opt.io_timeout_s)
+            hello = hello_decoder.decode(body)
+        except (OSError, PeerClosed):
+            return None
+        except (ValueError, msgspec.DecodeError) as exc:
+            self._reply_error(conn, STATUS_BAD_REQUEST, f"expected a hello: {exc}")
+            return None
+        if hello.v != SHM_WIRE_VERSION:
+            self._reply_error(conn, STATUS_BAD_REQUEST,
+                              f"shm wire version {hello.v}, expected {SHM_WIRE_VERSION}")
+            return None
+        mac = proof(self._key, hello.nonce, self.socket_name, self.identity)
+        try:
+            conn.settimeout(self._opt.io_timeout_s)
+            conn.sendall(frame(ShmProof(SHM_WIRE_VERSION, mac)))
+        except OSError:
+            return None
+        return _ServerConn()
+
+    def _close_connection(self, state: _ServerConn) -> None:
+        if state.seg is not None:
+            state.seg.close()
+
+    def _send_grant(self, conn: socket.socket, state: _ServerConn, req: RequestLike,
+                    served: ServedGrant) -> bool:
+        """Stream one grant through the connection's ring (created, and its descriptor sent with
+        the reply, at the first non-empty grant); each chunk copy is one revocable step."""
+        nbytes, chunk = served.nbytes, self._chunk_bytes
+        new_seg = None
+        if nbytes > 0 and state.seg is None:
+            try:
+                new_seg = state.seg = segments.create_segment(self._segment_bytes,
+                                                              self._segment_dir)
+            except OSError as exc:
+                self._reply_error(conn, STATUS_INTERNAL, f"cannot create segment: {exc}")
+                return False
+        seg = state.seg
+        head = frame(ShmReply(SHM_WIRE_VERSION, STATUS_OK, nbytes, seg.nbytes if seg else 0,
+                              chunk, new_seg is not None))
+        conn.settimeout(self._opt.io_timeout_s)
+        if new_seg is not None:
+            sent = socket.send_fds(conn, [head], [new_seg.ro_fd])
+            new_seg.close_fd()  # the consumer holds its own copy now
+            if sent < len(head):
+                conn.sendall(head[sent:])
+        else:
+            conn.sendall(head)
+        if nbytes and seg is not None:
+            payload = _arrays(served.views)
+            slots = seg.nbytes // chunk
+            ring = np.frombuffer(seg.mm, dtype=np.uint8)
+            total = -(-nbytes // chunk)
+            acked = 0
+            for i in range(total):
+                while i - acked >= slots:  # slot i % slots still holds chunk i - slots
+                    got = conn.recv(min(64, total - slots - acked))
+                    if not got:
+                        raise PeerClosed("consumer closed while the ring was full")
+                    if got.count(ACK) != len(got):
+                        self._count("bad")
+                        self._log.debug("shm plane: consumer sent %r instead of ack bytes", got)
+                        return False
+                    acked += len(got)
+                lo, hi = i * chunk, min(nbytes, (i + 1) * chunk)
+                with served.step() as go:
+                    if not go:
+                        self._count("aborted")
+                        return False
+                    _copy_span(payload, lo, hi, ring, (i % slots) * chunk, True)
+                conn.sendall(hi.to_bytes(PROGRESS_BYTES, "big"))
+            del ring
+        return True
+
+    # -- consumer hooks ---------------------------------------------------------------------------
+    def _route(self, prepared: Any, grant: ShmGrant) -> ShmBinding:
+        """``prepared`` must be the session's :meth:`bind_peer` result; the grant must come from
+        this host and name the socket and node it declared.
 
         Raises:
-            DataPlaneError: the plane is closed, ``runs`` is empty or leaves the region, or
-                ``nbytes`` exceeds the runs.
-        """
-        blocks = self._check_runs(runs, nbytes)
-        views = _payload_views(self._mem_or_raise(), runs, self._block_bytes, nbytes)
-        token = new_token()
-        with self._lock:
-            if self._closed:
-                raise DataPlaneError("shm plane is closed")
-            self._grants[token] = _Served(views, nbytes)
-        return msgspec.msgpack.encode(ShmGrant(self.socket_name, self._boot_id, self._host[:255],
-                                               token, nbytes, blocks * self._block_bytes,
-                                               self.node_id[:256]))
-
-    def revoke(self, plane_grant: bytes) -> None:
-        """Stop serving ``plane_grant``: later requests get UNKNOWN_GRANT; a transfer in progress
-        copies no further chunk once this returns (it waits out at most one chunk copy).
-        Unknown or malformed grants: no-op."""
-        token = grant_token(grant_decoder, plane_grant)
-        if token is None:
-            return
-        with self._lock:
-            served = self._grants.pop(token, None)
-        if served is None:
-            return
-        with served.lock:
-            served.revoked = True
-
-    def poll_notifications(self) -> list[bytes]:
-        return self._notifs.drain()
-
-    # -- consumer side ----------------------------------------------------------------------------
-    def start(self, prepared: Any, plane_grant: bytes, runs: Sequence[Run], nbytes: int,
-              notif: bytes) -> Receive:
-        """Request the granted blocks and copy them into local ``runs`` (background thread).
-
-        ``prepared`` must be the session's :meth:`bind_peer` result; the grant must name the
-        socket and node it declared.
-
-        Raises:
-            DataPlaneError: no binding or an ended one, a malformed grant, a grant from another
-                machine or not covered by the binding, runs/nbytes that do not match it, an
-                oversized ``notif``, too many receives, or the plane is closed.
+            DataPlaneError: no binding, a grant from another machine or not covered by the
+                binding.
         """
         if not isinstance(prepared, ShmBinding):
             raise DataPlaneError(
                 f"shm plane: start() needs the session's binding (bind_peer's result), got "
                 f"{type(prepared).__name__}: an unbound grant could name any local socket")
         binding = prepared
-        try:
-            grant = grant_decoder.decode(plane_grant)
-        except (msgspec.DecodeError, TypeError) as exc:
-            raise DataPlaneError(f"malformed shm grant ({len(plane_grant)} bytes): {exc}") from exc
         if grant.boot_id != self._boot_id:
             raise DataPlaneError(
                 f"shm grant comes from host {grant.host!r} (boot id {grant.boot_id}), this is "
@@ -489,264 +480,71 @@ class ShmPlane(DataTransport):
             raise DataPlaneError(
                 f"shm grant names @{grant.socket} (node {grant.node!r}), but the session with "
                 f"{binding.peer} declared @{binding.socket} (node {binding.node!r}): refused")
-        blocks = self._check_runs(runs, nbytes)
-        local_bytes = blocks * self._block_bytes
-        if grant.runs_bytes != local_bytes or grant.nbytes != nbytes:
+        return binding
+
+    def _admit_locked(self, route: ShmBinding, grant: ShmGrant) -> None:
+        if route.ended:
+            raise DataPlaneError(f"the shm session with {route.peer} has ended (unbound)")
+
+    def _pool_key(self, route: ShmBinding) -> Hashable:
+        return route.pool_key
+
+    def _may_pool_locked(self, route: ShmBinding) -> bool:
+        return not route.ended
+
+    def _connect(self, route: ShmBinding) -> _Chan:
+        """A new connection to the bound socket whose listener proved it holds the declared
+        plane key."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._opt.connect_timeout_s)
+            sock.connect("\0" + route.socket)
+            self._check_proof(sock, route)
+        except BaseException:
+            sock.close()
+            raise
+        return _Chan(sock)
+
+    def _check_proof(self, sock: socket.socket, binding: ShmBinding) -> None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sock.settimeout(self._opt.io_timeout_s)
+        sock.sendall(frame(ShmHello(SHM_WIRE_VERSION, nonce)))
+        body, _ = recv_header(sock, self._opt.io_timeout_s, self._opt.io_timeout_s)
+        try:
+            answer = proof_decoder.decode(body)
+        except (msgspec.DecodeError, TypeError) as exc:
+            answer = None
+            why = f"no proof ({exc})"
+        else:
+            why = f"wire version {answer.v}" if answer.v != SHM_WIRE_VERSION else "wrong proof"
+        want = proof(binding.key, nonce, binding.socket, binding.identity)
+        if answer is None or answer.v != SHM_WIRE_VERSION or \
+                not hmac.compare_digest(answer.mac, want):
+            self._count("proof_failed")
             raise DataPlaneError(
-                f"shm grant covers {grant.nbytes} bytes in {grant.runs_bytes} bytes of blocks, "
-                f"the local transfer is {nbytes} bytes in {local_bytes}; both sides must use the "
-                f"same block_bytes and block count")
-        if len(notif) > MAX_NOTIF_BYTES:
-            raise DataPlaneError(f"notif is {len(notif)} bytes, at most {MAX_NOTIF_BYTES}")
-        views = _payload_views(self._mem_or_raise(), runs, self._block_bytes, nbytes)
-        handle = Receive(nbytes)
-        request = frame(ShmRequest(SHM_WIRE_VERSION, grant.token, bytes(notif)))
-        with self._lock:
-            if self._closed:
-                raise DataPlaneError("shm plane is closed")
-            if binding.ended:
-                raise DataPlaneError(f"the shm session with {binding.peer} has ended (unbound)")
-            self._receives.admit_locked(handle)
-            handle.start(self._receive, (handle, binding, request, views),
-                         "ectransport-shm-recv")
-        return handle
+                f"the process listening on @{binding.socket} is not the shm plane that "
+                f"{binding.peer} declared ({why}): refused")
 
-    def check(self, handle: Any) -> XferState:
-        """PROC, DONE or ERR; a released handle keeps its last state (ERR if it was in flight)."""
-        return receive_state(handle)
+    def _accept_reply(self, chan: _Chan, reply: ShmReply, fds: list[int]) -> None:
+        """Map the segment an OK reply announced (``fd_attached``: exactly one descriptor)."""
+        if reply.fd_attached:
+            if len(fds) != 1:
+                raise DataPlaneError(f"producer announced a segment, sent {len(fds)} fds")
+            if reply.chunk_bytes <= 0 or reply.segment_bytes < reply.chunk_bytes:
+                raise DataPlaneError(f"bad segment geometry {reply.segment_bytes}/"
+                                     f"{reply.chunk_bytes}")
+            chan.set_segment(fds[0], reply.segment_bytes, reply.chunk_bytes)
+        elif fds:
+            raise DataPlaneError("producer sent an unannounced descriptor")
 
-    def release(self, handle: Any) -> None:
-        """Cancel and forget a receive; idempotent. When this returns no more bytes land in the
-        handle's local blocks."""
-        self._receives.release(handle)
-
-    def forget_peer(self, peer: str) -> None:
-        """Close the pooled connections (and unmap the segments) of producer node ``peer``."""
-        for c in self._pool.forget(peer):
-            c.close()
-
-    def close(self) -> None:
-        """Stop serving, cancel every receive, close sockets and segments, join threads, sweep
-        stale segments; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            grants = list(self._grants.values())
-            self._grants.clear()
-            self._acceptor.close_locked()
-            handles = self._receives.snapshot_locked()
-            pooled = self._pool.close_locked()
-            self._bound.clear()
-        for served in grants:
-            with served.lock:
-                served.revoked = True
-        self._acceptor.stop()
-        for h in handles:
-            self.release(h)
-        for c in pooled:
-            c.close()
-        self._acceptor.join_and_close([h.thread for h in handles if h.thread], _JOIN_S)
-        self._notifs.clear()
-        self._mem = None
-        segments.sweep_stale_segments(self._segment_dir)
-
-    # -- producer internals -----------------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
-        """One connection (on its :class:`Acceptor` thread, which closes it): the challenge, then
-        requests until EOF, error, abort or idle timeout."""
-        if not self._answer_hello(conn):
-            return
-        seg: segments.Segment | None = None
-        try:
-            while not self._closed:
-                try:
-                    body, _ = recv_header(conn, self._opt.idle_timeout_s,
-                                          self._opt.io_timeout_s, False)
-                    req = request_decoder.decode(body)
-                except (OSError, PeerClosed):
-                    return
-                except (ValueError, msgspec.DecodeError) as exc:
-                    self._reply_error(conn, STATUS_BAD_REQUEST, f"bad request: {exc}")
-                    return
-                if req.v != SHM_WIRE_VERSION:
-                    self._reply_error(conn, STATUS_BAD_REQUEST,
-                                      f"shm wire version {req.v}, expected {SHM_WIRE_VERSION}")
-                    return
-                with self._lock:
-                    served = self._grants.get(req.token)
-                if served is None:
-                    self._count("unknown")
-                    if not self._reply_error(conn, STATUS_UNKNOWN_GRANT,
-                                             "unknown or revoked grant"):
-                        return
-                    continue
-                new_seg = None
-                if served.nbytes > 0 and seg is None:
-                    try:
-                        new_seg = seg = segments.create_segment(self._segment_bytes,
-                                                                self._segment_dir)
-                    except OSError as exc:
-                        self._reply_error(conn, STATUS_INTERNAL, f"cannot create segment: {exc}")
-                        return
-                if not self._send_grant(conn, req, served, seg, new_seg):
-                    return
-        finally:
-            if seg is not None:
-                seg.close()
-
-    def _answer_hello(self, conn: socket.socket) -> bool:
-        """Prove to a new connection that this is the plane the session declared (plane key)."""
-        try:
-            body, _ = recv_header(conn, self._opt.io_timeout_s, self._opt.io_timeout_s, False)
-            hello = hello_decoder.decode(body)
-        except (OSError, PeerClosed):
-            return False
-        except (ValueError, msgspec.DecodeError) as exc:
-            self._reply_error(conn, STATUS_BAD_REQUEST, f"expected a hello: {exc}")
-            return False
-        if hello.v != SHM_WIRE_VERSION:
-            self._reply_error(conn, STATUS_BAD_REQUEST,
-                              f"shm wire version {hello.v}, expected {SHM_WIRE_VERSION}")
-            return False
-        mac = proof(self._key, hello.nonce, self.socket_name, self._identity)
-        try:
-            conn.settimeout(self._opt.io_timeout_s)
-            conn.sendall(frame(ShmProof(SHM_WIRE_VERSION, mac)))
-        except OSError:
-            return False
-        return True
-
-    def _reply_error(self, conn: socket.socket, status: int, detail: str) -> bool:
-        if status != STATUS_UNKNOWN_GRANT:
-            self._count("bad")
-            _log.debug("shm plane: %s", detail)
-        try:
-            conn.settimeout(self._opt.io_timeout_s)
-            conn.sendall(frame(ShmReply(SHM_WIRE_VERSION, status, 0, detail=detail[:200])))
-            return True
-        except OSError:
-            return False
-
-    def _send_grant(self, conn: socket.socket, req: ShmRequest, served: _Served,
-                    seg: segments.Segment | None, new_seg: segments.Segment | None) -> bool:
-        """Stream one grant through the ring; True if the connection can take another request."""
-        nbytes, chunk = served.nbytes, self._chunk_bytes
-        head = frame(ShmReply(SHM_WIRE_VERSION, STATUS_OK, nbytes,
-                               seg.nbytes if seg else 0, chunk, new_seg is not None))
-        try:
-            conn.settimeout(self._opt.io_timeout_s)
-            if new_seg is not None:
-                sent = socket.send_fds(conn, [head], [new_seg.ro_fd])
-                new_seg.close_fd()  # the consumer holds its own copy now
-                if sent < len(head):
-                    conn.sendall(head[sent:])
-            else:
-                conn.sendall(head)
-            if nbytes:
-                slots = seg.nbytes // chunk
-                ring = np.frombuffer(seg.mm, dtype=np.uint8)
-                total = -(-nbytes // chunk)
-                acked = 0
-                for i in range(total):
-                    while i - acked >= slots:  # slot i % slots still holds chunk i - slots
-                        got = conn.recv(min(64, total - slots - acked))
-                        if not got:
-                            raise PeerClosed("consumer closed while the ring was full")
-                        if got.count(ACK) != len(got):
-                            self._count("bad")
-                            _log.debug("shm plane: consumer sent %r instead of ack bytes", got)
-                            return False
-                        acked += len(got)
-                    lo, hi = i * chunk, min(nbytes, (i + 1) * chunk)
-                    with served.lock:
-                        if served.revoked or self._closed:
-                            self._count("aborted")
-                            return False
-                        _copy_span(served.views, lo, hi, ring, (i % slots) * chunk, True)
-                    conn.sendall(hi.to_bytes(PROGRESS_BYTES, "big"))
-                del ring
-        except OSError as exc:
-            self._count("aborted")
-            _log.debug("shm plane: transfer aborted: %s", exc)
-            return False
-        self._count("served")
-        self._notifs.push(req.notif)
-        return True
-
-    # -- consumer internals -----------------------------------------------------------------------
-    def _receive(self, handle: Receive, binding: ShmBinding, request: bytes,
-                 views: list[tuple[int, np.ndarray]]) -> None:
-        """Receive thread: request, reply, chunks into ``views``; sets DONE or ERR."""
-        chan: _Chan | None = None
-        try:
-            for attempt in (0, 1):
-                chan, reused = self._channel(binding, fresh=attempt > 0)
-                with handle.sock_lock:
-                    if handle.cancelled:
-                        return
-                    handle.sock = chan.sock
-                try:
-                    chan.sock.settimeout(self._opt.io_timeout_s)
-                    chan.sock.sendall(request)
-                    body, fds = recv_header(chan.sock, self._opt.io_timeout_s,
-                                            self._opt.io_timeout_s, True)
-                    break
-                except (PeerClosed, ConnectionResetError, BrokenPipeError):
-                    if not reused or handle.cancelled:
-                        raise
-                    chan.close()  # a stale pooled connection: retry once on a fresh one
-                    chan = None
-            try:
-                reply = reply_decoder.decode(body)
-                if reply.v != SHM_WIRE_VERSION:
-                    raise DataPlaneError(f"shm wire version {reply.v}, expected "
-                                         f"{SHM_WIRE_VERSION}")
-                if reply.status != STATUS_OK:
-                    handle.detail = f"producer refused: status {reply.status} ({reply.detail})"
-                    if reply.status == STATUS_UNKNOWN_GRANT and not fds:  # stream in sync
-                        self._give_back(binding, chan, handle)
-                        chan = None
-                    return
-                if reply.fd_attached:
-                    if len(fds) != 1:
-                        raise DataPlaneError(f"producer announced a segment, sent {len(fds)} fds")
-                    if reply.chunk_bytes <= 0 or reply.segment_bytes < reply.chunk_bytes:
-                        raise DataPlaneError(f"bad segment geometry {reply.segment_bytes}/"
-                                             f"{reply.chunk_bytes}")
-                    chan.set_segment(fds[0], reply.segment_bytes, reply.chunk_bytes)
-                elif fds:
-                    raise DataPlaneError("producer sent an unannounced descriptor")
-            finally:
-                close_fds(fds)
-            if reply.nbytes != handle.nbytes:
-                raise DataPlaneError(f"producer sends {reply.nbytes} bytes, expected "
-                                     f"{handle.nbytes}")
-            if handle.nbytes:
-                self._drain(handle, chan, views)
-            with handle.io_lock:
-                if handle.cancelled:
-                    return
-                handle.state = XferState.DONE
-            self._give_back(binding, chan, handle)
-            chan = None
-        except (OSError, ValueError, msgspec.DecodeError, DataPlaneError) as exc:
-            handle.detail = f"{type(exc).__name__}: {exc}"
-            _log.debug("shm plane: receive from @%s failed: %s", binding.socket, exc)
-        except Exception:
-            handle.detail = "internal error"
-            _log.exception("shm plane: receive thread failed")
-        finally:
-            if chan is not None:
-                chan.close()
-            handle.settle()
-
-    def _drain(self, handle: Receive, chan: _Chan, views: list[tuple[int, np.ndarray]]) -> None:
+    def _receive_payload(self, handle: Receive, chan: _Chan, reply: ShmReply,
+                         local: list[memoryview]) -> None:
         """Copy every chunk out of the ring as its progress record arrives; ack reused slots.
         Reads at most the progress records this grant announced (never the next reply)."""
         seg, chunk, sock = chan.seg, chan.chunk_bytes, chan.sock
         if seg is None:
             raise DataPlaneError("producer streams data but never sent a segment")
+        views = _arrays(local)
         slots = seg.nbytes // chunk
         nbytes = handle.nbytes
         total = -(-nbytes // chunk)
@@ -771,70 +569,10 @@ class ShmPlane(DataTransport):
                     sock.sendall(ACK)  # slot free for chunk done + slots
                 done += 1
 
-    def _channel(self, binding: ShmBinding, fresh: bool) -> tuple[_Chan, bool]:
-        """A pooled connection to the bound socket with nothing waiting on it, or a new one whose
-        listener proved it holds the declared plane key."""
-        if not fresh:
-            while (idle := self._pool.take(binding.pool_key)) is not None:
-                if quiet(idle.sock):
-                    return idle, True
-                self._count("stale")  # EOF or stray bytes: never reuse it
-                idle.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self._opt.connect_timeout_s)
-            sock.connect("\0" + binding.socket)
-            self._check_proof(sock, binding)
-        except BaseException:
-            sock.close()
-            raise
-        return _Chan(sock), False
+    # -- teardown hooks ---------------------------------------------------------------------------
+    def _close_locked(self) -> None:
+        self._bound.clear()
 
-    def _check_proof(self, sock: socket.socket, binding: ShmBinding) -> None:
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        sock.settimeout(self._opt.io_timeout_s)
-        sock.sendall(frame(ShmHello(SHM_WIRE_VERSION, nonce)))
-        body, _ = recv_header(sock, self._opt.io_timeout_s, self._opt.io_timeout_s, False)
-        try:
-            answer = proof_decoder.decode(body)
-        except (msgspec.DecodeError, TypeError) as exc:
-            answer = None
-            why = f"no proof ({exc})"
-        else:
-            why = f"wire version {answer.v}" if answer.v != SHM_WIRE_VERSION else "wrong proof"
-        want = proof(binding.key, nonce, binding.socket, binding.identity)
-        if answer is None or answer.v != SHM_WIRE_VERSION or \
-                not hmac.compare_digest(answer.mac, want):
-            self._count("proof_failed")
-            raise DataPlaneError(
-                f"the process listening on @{binding.socket} is not the shm plane that "
-                f"{binding.peer} declared ({why}): refused")
-
-    def _give_back(self, binding: ShmBinding, chan: _Chan, handle: Receive) -> None:
-        """Pool ``chan`` if the receive was not cancelled, the session is bound and nothing
-        unexpected waits on the stream; else close it."""
-        with handle.sock_lock:
-            reusable, handle.sock = not handle.cancelled, None
-        if reusable and not quiet(chan.sock):
-            self._count("stray")
-            reusable = False
-        if binding.ended:
-            reusable = False
-        if not reusable or not self._pool.put(binding.pool_key, chan):
-            chan.close()
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.stats[what] += 1
-
-    # -- shared -----------------------------------------------------------------------------------
-    def _mem_or_raise(self) -> np.ndarray:
-        mem = self._mem
-        if mem is None or self._closed:
-            raise DataPlaneError("shm plane is closed")
-        return mem
-
-    def _check_runs(self, runs: Sequence[Run], nbytes: int) -> int:
-        if self._closed:
-            raise DataPlaneError("shm plane is closed")
-        return check_runs(runs, nbytes, self._num_blocks, self._block_bytes)
+    def _after_close(self) -> None:
+        """Sweep the segments of dead owners (a crash inside a creation window)."""
+        segments.sweep_stale_segments(self._segment_dir)

@@ -12,19 +12,24 @@ carries :data:`SHM_WIRE_VERSION`. A connection is, in order:
 Anything else on the stream (another frame, a short or oversized header, an ack byte other than
 ``0x01``, bytes left over after a transfer) closes the connection; it is never pooled again.
 
-Sizes are bytes; every receive is bounded by a deadline (``recv_exact``) and by what the grant
-announced.
+Sizes are bytes; every receive is bounded by a deadline (``ectransport.plugin.recv_frame``) and by
+what the grant announced. The reply statuses are those of every socket-serving plane
+(``ectransport.plugin.STATUS_*``) plus :data:`STATUS_INTERNAL`.
 """
 
 from __future__ import annotations
 
-import os
 import socket
-import time
 from typing import Annotated
 
 import msgspec
-from ectransport.data.serving import PREFIX_BYTES, TOKEN_BYTES, PeerClosed
+from ectransport.plugin import (
+    STATUS_BAD_REQUEST,
+    STATUS_OK,
+    STATUS_UNKNOWN_GRANT,
+    TOKEN_BYTES,
+    recv_frame,
+)
 
 from ectransport_shm.locality import NONCE_BYTES
 
@@ -36,9 +41,13 @@ MAX_NOTIF_BYTES = 2048
 PROGRESS_BYTES = 8  # one progress record: big-endian end offset of a chunk
 ACK = b"\x01"
 
-STATUS_OK = 0
-STATUS_UNKNOWN_GRANT = 1  #: never granted, revoked, or the plane is closing
-STATUS_BAD_REQUEST = 2
+__all__ = [
+    "ACK", "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "PROGRESS_BYTES", "SHM_WIRE_VERSION",
+    "STATUS_BAD_REQUEST", "STATUS_INTERNAL", "STATUS_OK", "STATUS_UNKNOWN_GRANT", "ShmGrant",
+    "ShmHello", "ShmProof", "ShmReply", "ShmRequest", "grant_decoder", "hello_decoder",
+    "proof_decoder", "recv_header", "reply_decoder", "request_decoder",
+]
+
 STATUS_INTERNAL = 3  #: e.g. the producer cannot create a segment (/dev/shm full)
 
 
@@ -110,83 +119,14 @@ request_decoder = msgspec.msgpack.Decoder(ShmRequest)
 reply_decoder = msgspec.msgpack.Decoder(ShmReply)
 
 
-def recv_exact(sock: socket.socket, n: int, timeout_s: float, first: bytes = b"") -> bytes:
-    """``n`` bytes (``first`` counts), all within ``timeout_s``.
-
-    Raises:
-        PeerClosed: EOF first. TimeoutError / OSError: a stall or a socket error.
-    """
-    buf = bytearray(first)
-    deadline = time.monotonic() + timeout_s
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"stalled after {len(buf)} of {n} bytes")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise PeerClosed(f"peer closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
 def recv_header(sock: socket.socket, first_timeout_s: float, timeout_s: float,
-                want_fds: bool) -> tuple[bytes, list[int]]:
-    """One frame body (the first byte may take ``first_timeout_s``, the rest ``timeout_s``) and
-    the descriptors that came with it (the caller closes them).
+                want_fds: bool = False) -> tuple[bytes, list[int]]:
+    """One frame body of at most :data:`MAX_HEADER_BYTES` (the first byte may take
+    ``first_timeout_s``, the rest ``timeout_s``) and the descriptors that came with it (the
+    caller closes them): ``ectransport.plugin.recv_frame``.
 
     Raises:
-        PeerClosed / OSError: EOF, stall or socket error. ValueError: a length out of range.
+        PeerClosed / OSError: EOF, stall or socket error. FrameError (a ValueError): a length out
+        of range.
     """
-    sock.settimeout(first_timeout_s)
-    fds: list[int] = []
-    if want_fds:
-        data, fds, _flags, _addr = socket.recv_fds(sock, PREFIX_BYTES, 4,
-                                                   socket.MSG_CMSG_CLOEXEC)
-    else:
-        data = sock.recv(PREFIX_BYTES)
-    try:
-        if not data:
-            raise PeerClosed("peer closed before a header")
-        head = recv_exact(sock, PREFIX_BYTES, timeout_s, data)
-        length = int.from_bytes(head, "big")
-        if not 0 < length <= MAX_HEADER_BYTES:
-            raise ValueError(f"header length {length} not in 1..{MAX_HEADER_BYTES}")
-        return recv_exact(sock, length, timeout_s), fds
-    except BaseException:
-        close_fds(fds)
-        raise
-
-
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def quiet(sock: socket.socket) -> bool:
-    """Whether nothing is waiting on ``sock`` (no stray byte, no EOF): the condition for pooling
-    a connection or reusing a pooled one. Never blocks (the socket is made non-blocking for the
-    peek: a socket with a timeout would first wait for readability), never raises.
-
-    (``ectransport.data.serving.unread_state`` does the same for the TCP plane.)
-    """
-    try:
-        prev = sock.gettimeout()
-        sock.settimeout(0.0)
-    except OSError:
-        return False
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
-    finally:
-        try:
-            sock.settimeout(prev)
-        except OSError:
-            pass
-    return False  # data (unexpected bytes) or b"" (EOF)
+    return recv_frame(sock, first_timeout_s, timeout_s, MAX_HEADER_BYTES, want_fds)

@@ -12,10 +12,16 @@ import threading
 
 import msgspec
 import pytest
-from ectransport.data.base import MAX_ENDPOINT_BYTES, MAX_LOCALITY_BYTES, XferState
-from ectransport.data.serving import frame
-from ectransport.errors import ConfigError, DataPlaneError
-from ectransport.store import HostRegion, Run
+from ectransport.plugin import (
+    MAX_ENDPOINT_BYTES,
+    MAX_LOCALITY_BYTES,
+    ConfigError,
+    DataPlaneError,
+    Run,
+    XferState,
+    frame,
+)
+from ectransport.store import HostRegion
 from ectransport.testing.conformance import assert_same, pattern, read_runs, wait_state
 
 from ectransport_shm import ShmPlane

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from ectransport.testing.conformance import PlaneConformance
 
@@ -21,9 +22,10 @@ class TestShmConformance(PlaneConformance):
     def granted_ranges(self, plane, plane_grant):
         """What the producer will copy for this grant: its registered views, as region offsets."""
         token = msgspec.msgpack.decode(plane_grant, type=ShmGrant).token
-        origin = plane._mem.ctypes.data  # noqa: SLF001 - the kit's white-box hook
-        served = plane._grants[token]  # noqa: SLF001
-        return [(v.ctypes.data - origin, v.nbytes) for _, v in served.views]
+        origin = np.frombuffer(plane._mem, np.uint8).ctypes.data  # noqa: SLF001 - white box
+        served = plane._grants.lookup(token)  # noqa: SLF001
+        return [(np.frombuffer(v, np.uint8).ctypes.data - origin, v.nbytes)
+                for v in served.views]
 
 
 class TestShmConformanceSmallRing(TestShmConformance):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from ectransport.data.base import PLUGIN_API_VERSION
 from ectransport.data.registry import discover, load_plane
+from ectransport.plugin import PLUGIN_API_VERSION
 
 from ectransport_shm import ShmPlane
 

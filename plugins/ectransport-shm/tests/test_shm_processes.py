@@ -6,9 +6,8 @@ import os
 
 import msgspec
 import pytest
-from ectransport.data.base import XferState
-from ectransport.errors import DataPlaneError
-from ectransport.store import HostRegion, Run
+from ectransport.plugin import DataPlaneError, Run, XferState
+from ectransport.store import HostRegion
 from ectransport.testing.conformance import assert_same, pattern, read_runs, wait_state
 from shm_child import CHILD_IDENTITY
 
