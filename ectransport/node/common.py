@@ -9,7 +9,7 @@ import numpy as np
 
 from ectransport.errors import ConfigError
 from ectransport.protocol import compat_hash, element_size
-from ectransport.store import HostRegion
+from ectransport.store import BlockRegion, HostRegion
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def as_bytes(tensor: object) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def region_for(layout: Layout, region_bytes: int, region: HostRegion | None) -> HostRegion:
+def region_for(layout: Layout, region_bytes: int, region: BlockRegion | None) -> BlockRegion:
     """The node's region: ``region`` if given (its blocks must be ``layout.block_bytes``), else a
     new private one of ``region_bytes`` rounded down to whole blocks.
 

@@ -62,7 +62,7 @@ from ectransport.session import (
     Report,
     Send,
 )
-from ectransport.store import BlockStore, HostRegion, Run
+from ectransport.store import BlockRegion, BlockStore, Run
 
 log = logging.getLogger("ectransport.node.consumer")
 
@@ -205,7 +205,7 @@ class ConsumerNode:
         fetch_timeout_s: float = 30.0,
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
-        region: HostRegion | None = None,
+        region: BlockRegion | None = None,
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
         session_options: Mapping[str, Any] | None = None,

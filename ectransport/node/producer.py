@@ -27,7 +27,7 @@ from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
 from ectransport.protocol import SUPPORTED_VERSIONS
 from ectransport.session import Command, ProducerConfig, ProducerSession, Revoke, Send
-from ectransport.store import AllocFailed, BlockStore, Entry, HostRegion
+from ectransport.store import AllocFailed, BlockRegion, BlockStore, Entry
 
 log = logging.getLogger("ectransport.node.producer")
 
@@ -106,7 +106,7 @@ class ProducerNode:
         grace_s: float = 5.0,
         node_id: str | None = None,
         versions: tuple[int, ...] = SUPPORTED_VERSIONS,
-        region: HostRegion | None = None,
+        region: BlockRegion | None = None,
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
         advertise_host: str | None = None,

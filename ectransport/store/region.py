@@ -8,10 +8,36 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Protocol
 
 import numpy as np
 
 from ectransport.store.blocks import Run
+
+
+class BlockRegion(Protocol):
+    """What a node needs of its region: ``num_blocks × block_bytes`` bytes of host memory at
+    ``addr``, read and written by block runs.
+
+    :class:`HostRegion` is one; so is a block range of one (``ectransport.vllm``'s
+    ``RegionPart``, a node's share of a region that several nodes split). It also satisfies what a
+    data plane needs (:class:`ectransport.data.base.RegionLike`).
+    """
+
+    num_blocks: int
+    block_bytes: int
+    nbytes: int
+    addr: int  # base address, for data-plane registration
+    mem_kind: str
+    buf: np.ndarray  # the whole region as a 1-D uint8 array
+
+    def view(self, runs: tuple[Run, ...] | list[Run], nbytes: int) -> list[np.ndarray]: ...
+
+    def write(self, runs: tuple[Run, ...] | list[Run], data: np.ndarray) -> None: ...
+
+    def read(self, runs: tuple[Run, ...] | list[Run], nbytes: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
 
 
 class HostRegion:

@@ -35,13 +35,15 @@ def layout_for(vllm_config: Any, settings: Settings) -> Layout:
     """
     mc = getattr(vllm_config, "model_config", None)
     if mc is None:
-        missing = [k for k in ("model_id", "dtype", "hidden") if getattr(settings, k) is None]
-        if missing:
+        model_id, dtype, hidden = settings.model_id, settings.dtype, settings.hidden
+        if model_id is None or dtype is None or hidden is None:
+            missing = [k for k in ("model_id", "dtype", "hidden") if getattr(settings, k) is None]
             raise ConfigError(f"vLLM runs without a model config here: set {', '.join(missing)} "
                               "in ec_connector_extra_config")
-    model_id = settings.model_id or str(mc.model)
-    dtype = settings.dtype or str(mc.dtype).removeprefix("torch.")
-    hidden = settings.hidden or model_hidden(mc)
+    else:
+        model_id = settings.model_id or str(mc.model)
+        dtype = settings.dtype or str(mc.dtype).removeprefix("torch.")
+        hidden = settings.hidden or model_hidden(mc)
     try:
         layout = Layout(model_id=model_id, dtype=dtype, hidden=hidden)
         layout.compat_hash  # noqa: B018 - validates dtype and hidden

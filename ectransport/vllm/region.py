@@ -235,7 +235,8 @@ def _link_again(tmp: str, path: str) -> bool:
 
 
 class RegionPart:
-    """A block range of a :class:`HostRegion`, usable wherever a HostRegion is (nodes, planes).
+    """A block range of a :class:`HostRegion`, usable wherever a HostRegion is (nodes, planes):
+    a :class:`~ectransport.store.BlockRegion`.
 
     ``offset`` is its first byte in the file, which is what workers address.
     """
@@ -295,7 +296,7 @@ class WorkerMapping:
                                   "this user; refusing to map it")
             if st.st_size < nbytes:
                 raise ConfigError(f"region file {path} has {st.st_size} bytes, expected {nbytes}")
-            self._mmap = mmap.mmap(fd, nbytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         self.path = path

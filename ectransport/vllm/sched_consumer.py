@@ -320,9 +320,9 @@ class ConsumerSide:
 def _check_announcement(info: dict, nbytes: int, rows: int, layout: Layout) -> str | None:
     """Why an announcement cannot be fetched into this layout, or None."""
     try:
-        port = int(info.get("peer_port"))
-        size = int(info.get("size_bytes"))
-    except (TypeError, ValueError):
+        port = int(info["peer_port"])
+        size = int(info["size_bytes"])
+    except (KeyError, TypeError, ValueError):
         return "announcement: peer_port / size_bytes are not integers"
     if not isinstance(info.get("peer_host"), str) or not info["peer_host"] or \
             not 0 < port < 65536:

@@ -116,7 +116,10 @@ class ProducerSide:
         orders = list(self._reserved.values())
         self._reserved.clear()
         for o in orders:
-            slot = (o.mark_offset - self.marks.mark_offset) // 8 if o.mark_offset >= 0 else -1
+            slot = -1
+            if o.mark_offset >= 0:
+                assert self.marks is not None  # on_alloc gives a mark only with a marks region
+                slot = (o.mark_offset - self.marks.mark_offset) // 8
             self._saving[o.mm_hash] = (o.entry_id, now + self.settings.save_timeout_s, slot)
         drops, self._drops = self._drops, []
         return orders, drops

@@ -50,6 +50,7 @@ def expected_load_reports(vllm_config: Any) -> int:
 def security_for(settings: Settings, producer: bool) -> Security:
     if settings.insecure:
         return Security(insecure=True)
+    assert settings.secret_key_file is not None  # parse_settings requires it without insecure
     return Security.from_files(settings.secret_key_file, settings.allow_dir if producer else None)
 
 
@@ -210,8 +211,9 @@ class SchedulerDelegate:
         if getattr(self, "region", None) is not None:
             self.region.unlink()
         self._restore_handlers()
-        if getattr(self, "local", None) is not None:
-            self.local.close()
+        local = getattr(self, "local", None)  # None also when __init__ failed before setting it
+        if local is not None:
+            local.close()
             self.local = None
         for side in (self.consumer, self.producer):
             if side is not None:

@@ -77,7 +77,7 @@ class WorkerDelegate:
         self._mapping: WorkerMapping | None = None
         self._host: torch.Tensor | None = None
         self._registered = False
-        self._save_stream = None
+        self._save_stream: torch.cuda.Stream | None = None
         self._saves: dict[str, SaveOrder] = {}  # ordered, not yet copied
         self._loads: list[LoadOrder] = []  # this step's
         self._copying: list[tuple[Any, Any, Any]] = []  # (report item, cuda event, keep-alive)
@@ -244,6 +244,7 @@ class WorkerDelegate:
             self._add((o.mm_hash, o.entry_id))
 
     def _copy_spans(self, dev: torch.Tensor, spans: tuple, *, into_host: bool) -> None:
+        assert self._host is not None  # the callers check that the region is mapped
         pos = 0
         for off, n in spans:
             host = self._host[off: off + n]
