@@ -173,6 +173,9 @@ class ConsumerNode:
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
             ``peer_backoff_max_s``, ``request_notifications``).
+        control: fetch over this control client instead of the ZeroMQ/CURVE one built from
+            ``security`` (e.g. ``ectransport.control.memory``'s in-memory pair in tests about
+            node logic); the node closes it.
         require_binding: refuse a producer whose Welcome declares no data-plane endpoint (an
             ectransport before plugin API 2, or a producer trying to make its grants unbound, so
             that they could name any agent or address). Default True; False accepts such grants
@@ -211,6 +214,7 @@ class ConsumerNode:
         session_options: Mapping[str, Any] | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
         require_binding: bool = True,
+        control: ControlClient | None = None,
     ):
         from ectransport.control.zmqctl import ZmqControlClient
 
@@ -238,10 +242,9 @@ class ConsumerNode:
                 self._planes[name] = load_plane(name)(
                     node_id=self.node_id, region=self.region,
                     identity=identity_of(security.public_key), **opts)
-            self._control = ZmqControlClient(secret_key=security.secret_key,
-                                             public_key=security.public_key,
-                                             insecure=security.insecure,
-                                             **dict(control_options or {}))
+            self._control = control if control is not None else ZmqControlClient(
+                secret_key=security.secret_key, public_key=security.public_key,
+                insecure=security.insecure, **dict(control_options or {}))
             localities = tuple((n, p.locality()) for n, p in self._planes.items())
         except BaseException:
             self._close_resources()

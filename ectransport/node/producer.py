@@ -82,6 +82,9 @@ class ProducerNode:
             ``host`` when the ``tcp`` or ``ucx`` plane is offered (their grants name it).
         control_options: keyword options for :class:`ZmqControlServer` (heartbeats, frame and
             rate limits, ``handshake_timeout_s``).
+        control: serve over this control server instead of building the ZeroMQ/CURVE one from
+            ``host``/``port``/``security`` (e.g. ``ectransport.control.memory``'s in-memory pair
+            in tests about node logic); the node closes it.
         observer: optional ``(event, fields) -> None`` told what happens, for metrics and logs
             (see :class:`ProducerSession`: ``grant_issued``, ``grant_ended``, ``nack_sent``,
             ``lease_expired``). Called on the node's I/O thread under its lock: keep it cheap;
@@ -111,6 +114,7 @@ class ProducerNode:
         control_options: Mapping[str, Any] | None = None,
         advertise_host: str | None = None,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
+        control: ControlServer | None = None,
     ):
         self._observers: list[Callable[[str, dict[str, Any]], None]] = \
             [observer] if observer is not None else []
@@ -138,8 +142,8 @@ class ProducerNode:
 
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
             self._allow = allow
-            self._control = self._make_control(host, port, security, allow,
-                                               dict(control_options or {}))
+            self._control = control if control is not None else self._make_control(
+                host, port, security, allow, dict(control_options or {}))
         except BaseException:
             self._close_resources()
             raise
