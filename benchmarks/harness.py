@@ -13,6 +13,8 @@ reversed on odd reps to cancel drift). Phases:
   control-plane round trip;
 * ``solo-*``: 8.8 MiB with ect-nixl alone, raw-nixl alone, and raw-nixl-spin (agents with NIXL's
   default, spinning progress thread) alone;
+* ``nixl-scope`` / ``scope-micro``: the NIXL plane with ``grant_scope="grant"`` A/B with
+  ``"region"`` (fetch latency and throughput, then per-grant costs in-process; ``scope.py``);
 * ``consumers-nixl``: N ConsumerNodes vs N raw agents, one group alive at a time;
 * ``recompute``.
 
@@ -100,6 +102,10 @@ class Config:
     recompute_reps: int = 5
     recompute_direct_max: int = 9 * MiB  # larger sizes: per-token time of the largest direct size
     safetensors: bool = True
+    scope: bool = True  # the nixl grant_scope A/B (issue 13, benchmarks/scope.py)
+    scope_sizes: list[str] | None = None  # labels compared there; None = every size of the run
+    scope_reps: int = 15  # samples per scope and size (half above 9 MiB)
+    micro_reps: int = 30  # samples per case of the in-process scope micro-benchmarks
 
     @classmethod
     def quick(cls) -> Config:
@@ -110,7 +116,8 @@ class Config:
     def full(cls) -> Config:
         return cls(mode="full", sizes=list(SIZES), planes=["nixl", "tcp", "ucx"], curve_off=True,
                    warmup=3, reps=25, thr_reps=5, inflight=[1, 4, 16], consumers=[1, 2, 8],
-                   rtt_samples=200)
+                   rtt_samples=200, scope_sizes=["64KiB", "1MiB", "8.8MiB", "64MiB"],
+                   scope_reps=100, micro_reps=200)
 
 
 def rows_of(label: str) -> int:
@@ -125,7 +132,9 @@ def copies_of(nbytes: int) -> int:
 def stats(xs: list[float]) -> dict:
     s = sorted(xs)
     p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
-    return {"p50": statistics.median(s), "p99": p99, "min": s[0], "max": s[-1], "n": len(s)}
+    p90 = s[min(len(s) - 1, math.ceil(0.90 * len(s)) - 1)]
+    return {"p50": statistics.median(s), "p90": p90, "p99": p99, "min": s[0], "max": s[-1],
+            "n": len(s)}
 
 
 #: UCX variables the user set before the benchmark started; any other UCX_* variable was put in
@@ -297,6 +306,11 @@ class Phase:
 # -- paths: each has setup(), one(size_index, slot) -> seconds, window(size_index, k, m) ----------
 
 
+#: ``Fetched.timings`` keys in order: submit → XferReq sent, → XferAck, → transfer posted, →
+#: bytes landed, → result (seconds since the fetch started).
+FETCH_PHASES = ("req", "ack", "posted", "landed", "total")
+
+
 class EctPath:
     def __init__(self, name: str, plane: str, curve: bool, ect: dict, consumer_secret: str,
                  sizes: list[int], max_k: dict[int, int]):
@@ -316,6 +330,8 @@ class EctPath:
         self.node.connect(self.addr, timeout_s=30.0)
         self.transport = self.node.plane_transports().get(plane, plane)
         self.rtts: list[float] = []
+        #: size index -> fetch phase -> seconds (``Fetched.timings`` deltas), when not None
+        self.breakdown: dict[int, dict[str, list[float]]] | None = None
 
     def one(self, i: int, slot: int) -> float:
         t0 = time.perf_counter()
@@ -326,6 +342,13 @@ class EctPath:
         t = out.timings
         if "ack" in t and "req" in t:
             self.rtts.append(t["ack"] - t["req"])
+        if self.breakdown is not None:
+            prev, mine = 0.0, self.breakdown.setdefault(i, {})
+            for ph in FETCH_PHASES:
+                if ph in t:
+                    mine.setdefault(ph, []).append(t[ph] - prev)
+                    prev = t[ph]
+            mine.setdefault("wall", []).append(dt)
         del out  # zero copy: dropping the Fetched returns its blocks to the region
         return dt
 
@@ -754,7 +777,8 @@ def run(cfg: Config) -> dict:
         "sizes": {lb: n for lb, n in zip(labels, sizes, strict=True)},
         "versions": _versions(),
         "transports": {}, "latency": {lb: {} for lb in labels}, "throughput": {},
-        "consumers": {}, "control_rtt": {}, "solo": {}, "phases": [], "errors": {},
+        "consumers": {}, "control_rtt": {}, "solo": {}, "scope": {}, "phases": [],
+        "errors": {},
     }
     tmp = Path(tempfile.mkdtemp(prefix="ect-bench-"))
     disk_dir = Path(tempfile.mkdtemp(prefix="ect-bench-disk-", dir="/var/tmp"))
@@ -822,6 +846,12 @@ def run(cfg: Config) -> dict:
         # phases: each of ect-nixl and raw-nixl alone (no A/B partner alive) at 8.8 MiB
         if "nixl" in cfg.planes and "8.8MiB" in labels:
             _solo(cfg, result, server, labels.index("8.8MiB"), sizes)
+
+        # phases: nixl grant_scope "grant" vs "region" (fetch A/B, then in-process micro)
+        if cfg.scope and "nixl" in cfg.planes:
+            import scope  # noqa: PLC0415  (benchmarks/scope.py imports this module)
+
+            scope.run_scope(cfg, result, server, labels, sizes)
 
         # phase: N consumers on one producer
         if cfg.consumers:

@@ -127,7 +127,114 @@ def targets(res: dict) -> list[dict]:
                             "measured": f"{r:.1f}× ({fmt_t(base)} vs {fmt_t(e)})",
                             "floor": floor,
                             "met": r >= TARGETS["speedup_vs_safetensors_8.8MiB"]})
+    st = scope_target(res)
+    if st is not None:
+        out.append(st)
     return out
+
+
+#: Issue 13: grant-scoped NIXL grants stay the default unless they cost more than this at 8.8 MiB.
+SCOPE_MAX_RATIO = 1.10
+
+
+def fmt_us(s: float | None) -> str:
+    """Microseconds with one decimal below 1 ms (per-grant costs), else as :func:`fmt_t`."""
+    if s is None:
+        return "—"
+    return f"{s * 1e6:.1f} µs" if abs(s) < 1e-3 else fmt_t(s)
+
+
+def scope_ratio(res: dict, size: str = "8.8MiB", q: str = "p50") -> float | None:
+    """grant-scope / region-scope fetch latency (quantile ``q``) at ``size``, same phase."""
+    lat = res.get("scope", {}).get("latency", {}).get(size, {})
+    g, r = lat.get("ect-nixl-grant", {}).get(q), lat.get("ect-nixl-region", {}).get(q)
+    return _div(g, r)
+
+
+def scope_target(res: dict) -> dict | None:
+    lat = res.get("scope", {}).get("latency", {}).get("8.8MiB")
+    r = scope_ratio(res)
+    if r is None:
+        return None
+    return {"target": f"grant-scoped NIXL fetch p50 ≤ {SCOPE_MAX_RATIO:.2f}× region-scoped, "
+                      f"8.8 MiB (issue 13)",
+            "measured": f"{r:.2f}× ({fmt_t(lat['ect-nixl-grant']['p50'])} vs "
+                        f"{fmt_t(lat['ect-nixl-region']['p50'])})",
+            "floor": "1.00× (the same plane, nothing registered per grant)",
+            "met": r <= SCOPE_MAX_RATIO}
+
+
+def scope_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """The grant vs region fetch table (one row per size)."""
+    cols = ["size", "grant p50", "region p50", "grant/region p50", "grant p90", "region p90",
+            "grant/region p90", "paired grant/region, median (IQR)", "n"]
+    rows = []
+    for size, paths in res.get("scope", {}).get("latency", {}).items():
+        g, r = paths.get("ect-nixl-grant"), paths.get("ect-nixl-region")
+        if not g or not r:
+            continue
+        pr = paths.get("paired")
+        rows.append([size, fmt_t(g["p50"]), fmt_t(r["p50"]), fmt_r(_div(g["p50"], r["p50"])),
+                     fmt_t(g.get("p90")), fmt_t(r.get("p90")),
+                     fmt_r(_div(g.get("p90"), r.get("p90"))),
+                     f"{pr['p50']:.2f}× ({pr['p25']:.2f}–{pr['p75']:.2f})" if pr else "—",
+                     str(min(g["n"], r["n"]))])
+    return cols, rows
+
+
+def scope_micro_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """Per-grant costs measured directly on the planes (p50, p90 in brackets)."""
+    m = res.get("scope", {}).get("micro", {})
+    cols = ["what", "grant p50 (p90)", "region p50 (p90)", "grant − region p50"]
+    rows = []
+
+    def row(what: str, g: dict | None, r: dict | None) -> None:
+        if g and r:
+            rows.append([what, f"{fmt_us(g['p50'])} ({fmt_us(g.get('p90'))})",
+                         f"{fmt_us(r['p50'])} ({fmt_us(r.get('p90'))})",
+                         fmt_us(g["p50"] - r["p50"])])
+
+    for case, v in m.get("describe_revoke", {}).items():
+        row(f"producer: describe + revoke, {case}, warm", v["grant"]["describe_revoke"],
+            v["region"]["describe_revoke"])
+    for size, v in m.get("cycle", {}).items():
+        row(f"producer: describe + revoke, {size}, between READs", v["grant"]["producer"],
+            v["region"]["producer"])
+    c1 = m.get("consumer_start_1block", {})
+    row("consumer: start() of a 1-block grant (bound; grant scope: checks the grant's "
+        "metadata, loads it if new)",
+        c1.get("grant"), c1.get("region"))
+    for size, v in m.get("cycle", {}).items():
+        row(f"consumer: start() of a {size} grant (posts and copies the READ)",
+            v["grant"]["start"], v["region"]["start"])
+    for size, v in m.get("cycle", {}).items():
+        row(f"a grant's whole life in one process, {size} (describe, READ, release, revoke)",
+            v["grant"]["total"], v["region"]["total"])
+    a = m.get("add_remote_agent")
+    if a:
+        rows.append(["NIXL add_remote_agent of a grant's partial metadata alone (grant only)",
+                     f"{fmt_us(a['p50'])} ({fmt_us(a.get('p90'))})", "—", "—"])
+    for size, v in m.get("put", {}).items():
+        row(f"ProducerNode.put, {size} (copy + bookkeeping)", v["put"]["grant"],
+            v["put"]["region"])
+        row(f"ProducerNode.reserve + commit, {size}", v["reserve_commit"]["grant"],
+            v["reserve_commit"]["region"])
+    return cols, rows
+
+
+def scope_verdict(res: dict) -> str | None:
+    r = scope_ratio(res)
+    if r is None:
+        return None
+    r90 = scope_ratio(res, q="p90")
+    p90 = "" if r90 is None else f" (p90 {r90:.2f}×)"
+    if r <= SCOPE_MAX_RATIO:
+        return (f"**Verdict (this run): grant scope costs {(r - 1) * 100:+.0f} % at 8.8 MiB "
+                f"(p50 {r:.2f}× region scope{p90}), within the 10 % of issue 13: "
+                f"`grant_scope=\"grant\"` stays the default.**")
+    return (f"**Verdict (this run): grant scope costs {(r - 1) * 100:+.0f} % at 8.8 MiB (p50 "
+            f"{r:.2f}× region scope{p90}), more than the 10 % of issue 13 in this run; see the "
+            f"notes below for the range over runs. `grant_scope` stays an explicit setting.**")
 
 
 def _floor_fetch(raw_read: float, echo: float | None) -> str:
@@ -170,6 +277,28 @@ def print_tables(res: dict) -> None:
     for size, paths in res.get("solo", {}).items():
         con.print(f"solo phases ({size}, each path alone): " + ", ".join(
             f"{k} p50 {fmt_t(v['p50'])} (min {fmt_t(v['min'])})" for k, v in paths.items()))
+    cols, rows = scope_rows(res)
+    if rows:
+        t = Table(title="nixl grant_scope \"grant\" (default) vs \"region\", one fetch at a "
+                        "time, CURVE on, same phase, interleaved (issue 13)")
+        for c in cols:
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(*r)
+        con.print(t)
+        m = res["scope"].get("micro", {})
+        dr = m.get("describe_revoke", {})
+        if dr:
+            con.print("per grant, producer (describe + revoke, warm; grant vs region): "
+                      + ", ".join(f"{k} {fmt_us(v['grant']['describe_revoke']['p50'])} vs "
+                                  f"{fmt_us(v['region']['describe_revoke']['p50'])}"
+                                  for k, v in dr.items()))
+        c1 = m.get("consumer_start_1block")
+        if c1:
+            load = m.get("add_remote_agent", {}).get("p50")
+            con.print(f"per grant, consumer (start of a 1-block grant; grant vs region): "
+                      f"{fmt_us(c1['grant']['p50'])} vs {fmt_us(c1['region']['p50'])}; NIXL "
+                      f"add_remote_agent alone {fmt_us(load)}")
     rtt = res.get("control_rtt", {})
     if rtt:
         con.print("control round trip p50: " + ", ".join(
@@ -321,10 +450,98 @@ def _before_after(res: dict) -> list[str]:
     return ["## Before / after: the previous full run", "",
             f"Previous run: {om['started']}, load average {om['loadavg_start'][0]:.1f} → "
             f"{om['loadavg_end'][0]:.1f} (its JSON: `benchmarks/results/results-previous.json`). "
-            "What changed in between, and why, is under \"Profiling\" below.", "",
+            "What changed in between, and why, is under \"Profiling\" below (and, for the "
+            "NIXL plane's grant scope, under \"Grant scope\").", "",
             _md_table(["size", "plane", "raw p50 before", "raw p50 now", "ect p50 before",
                        "ect p50 now", "ect/raw before", "ect/raw now"], rows), "",
             _md_table(["target", "before", "now", "met now"], trows), ""]
+
+
+def _scope_section(res: dict) -> list[str]:
+    """``## Grant scope (issue 13)``: this run's A/B and per-grant costs, then the hand-written
+    notes over several runs (``benchmarks/GRANT_SCOPE.md``)."""
+    sc = res.get("scope", {})
+    cols, rows = scope_rows(res)
+    if not rows:
+        return []
+    out = ["## Grant scope (issue 13)", "",
+           "The NIXL plane's `grant_scope` option. `grant` (the default): the producer registers "
+           "the granted blocks when it describes a grant (one NIXL registration per distinct "
+           "block list, shared by concurrent grants of it) and deregisters them at revoke, and "
+           "each grant carries NIXL partial metadata naming only that registration, which the "
+           "consumer loads into its agent (`add_remote_agent`) unless it loaded the same bytes "
+           "before. `region`: the whole "
+           "region is registered once and every grant carries the full agent metadata (vLLM's "
+           "behaviour; `ProducerNode(..., plane_options={\"nixl\": {\"grant_scope\": "
+           "\"region\"}})`). Issue 13's rule: `grant` is the default unless it costs more "
+           "than 10 % at 8.8 MiB.", ""]
+    v = scope_verdict(res)
+    if v:
+        out += [v, ""]
+    ph = {x["name"]: x for x in res.get("phases", [])}.get("nixl-scope")
+    if ph:
+        out += [f"Load average (1-min) during the fetch phase: {ph['loadavg_start']:.2f} → "
+                f"{ph['loadavg_end']:.2f}; it took {ph['seconds']:.0f} s.", ""]
+    out += [f"Method: {sc.get('method', '')}. *paired*: the ratio of the two samples taken "
+            "back to back in each rep, median and quartiles over the reps (less sensitive than "
+            "a ratio of medians to load that comes and goes).", "",
+            "### Fetch latency, grant vs region (this run)", "", _md_table(cols, rows), ""]
+    brows = []
+    names = {"req": "submit → XferReq sent", "ack": "→ XferAck (producer: grant, describe)",
+             "posted": "→ READ posted", "landed": "→ landed (consumer: start(), the READ)",
+             "total": "→ result", "wall": "wall of fetch()"}
+    for size, by in sc.get("breakdown", {}).items():
+        g, r = by.get("ect-nixl-grant", {}), by.get("ect-nixl-region", {})
+        for ph, what in names.items():
+            if ph in g and ph in r and (g[ph] or r[ph]):  # req / posted: 0 when stamped as one
+                brows.append([size, what, fmt_t(g[ph]), fmt_t(r[ph]), fmt_us(g[ph] - r[ph])])
+    if brows:
+        out += ["Where the time of a fetch goes (p50 of each step of `Fetched.timings`, same "
+                "samples as above; the steps' p50s need not add up to the wall p50):", "",
+                _md_table(["size", "step", "grant p50", "region p50", "grant − region"], brows),
+                ""]
+    trows = []
+    for size, by_k in sc.get("throughput", {}).items():
+        for paths in by_k.values():
+            g, r = paths.get("ect-nixl-grant"), paths.get("ect-nixl-region")
+            if g and r:
+                trows.append([size, str(paths["inflight"]), f"{g['gbps']:.2f} "
+                              f"({g['min']:.2f}–{g['max']:.2f})",
+                              f"{r['gbps']:.2f} ({r['min']:.2f}–{r['max']:.2f})",
+                              f"{g['gbps'] / r['gbps'] * 100:.0f} %"])
+    if trows:
+        out += ["Pipelined (ConsumerNode.submit, k in flight), GB/s median (min–max):", "",
+                _md_table(["size", "in flight", "grant", "region", "grant/region"], trows), ""]
+    mc, mr = scope_micro_rows(res)
+    m = sc.get("micro", {})
+    if mr:
+        out += ["### What the scope costs per grant (measured on the planes, this run)", "",
+                f"In the consumer process with nothing else open, {m.get('reps')} samples per "
+                "case (fewer above 9 MiB), scopes alternated. *warm*: describe + revoke back to "
+                "back (caches hot); *between READs*: the same inside a grant's whole life "
+                "(describe, a READ of the entry by a consumer plane in the same process, "
+                "release, revoke), as on a serving host. `start()` is the consumer plane's call "
+                "after the XferAck (decode, binding check, in grant scope the metadata load, "
+                "posting the READ; UCX copies inline, so for large grants it includes the copy). "
+                "`put` / `reserve + commit` never call the plane (steady state: region full, "
+                "oldest entries evicted).", "",
+                _md_table(mc, mr), ""]
+    gb, eb = m.get("grant_bytes", {}), m.get("endpoint_bytes", {})
+    if gb:
+        out += ["Bytes on the wire: the plane grant in each XferAck — " + "; ".join(
+            f"{k}: {v['grant']} (grant) vs {v['region']} (region)" for k, v in gb.items())
+            + (f"; the declaration in each Welcome: {eb.get('grant')} vs {eb.get('region')}."
+               if eb else "."), ""]
+    chk = sc.get("check")
+    if chk:
+        out += ["Check (after the fetch phase): " + "; ".join(
+            f"{s}: producer plane `grant_scope={c['producer'].get('grant_scope')}`, live grant "
+            f"registrations {c['producer'].get('exposed_registrations')}, consumer loaded "
+            f"{c['consumer_sections_loaded']} grant sections" for s, c in chk.items()) + ".", ""]
+    notes = Path(__file__).resolve().parent / "GRANT_SCOPE.md"
+    if notes.exists():
+        out += [notes.read_text().strip(), ""]
+    return out
 
 
 def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
@@ -380,6 +597,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                           [[size, p, fmt_t(v["p50"]), fmt_t(v["p99"]), fmt_t(v["min"]),
                             fmt_t(v["max"]), str(v["n"])]
                            for size, paths in solo.items() for p, v in paths.items()]), ""]
+    out += _scope_section(res)
     out += ["## Latency per path (one at a time)", ""]
     lrows = []
     for size, paths in res["latency"].items():
@@ -465,7 +683,10 @@ python benchmarks/run.py --full                 # the same without the CLI
   `baselines` (memcpy, safetensors: nothing open), `<plane>-curve` and `<plane>-plain` for each
   plane (ProducerNode + raw endpoint; latency A/B, throughput A/B with CURVE on; for nixl then
   the raw endpoint is closed and the zmq echo opened for the control round trip), `solo-*`
-  (8.8 MiB, ect-nixl alone and raw-nixl alone, twice each), `consumers-nixl`, `recompute`.
+  (8.8 MiB, ect-nixl alone and raw-nixl alone, twice each), `nixl-scope` (two ProducerNodes,
+  nixl `grant_scope` grant and region, and a ConsumerNode for each: latency A/B and throughput;
+  see "Grant scope"), `scope-micro` (per-grant costs on NixlPlanes in the consumer process),
+  `consumers-nixl`, `recompute`.
   Before each phase both processes are checked idle (thread count, CPU-s/s over 0.5 s).
 - Entry sizes are whole rows of a Qwen2-VL-7B encoder output (hidden 3584, bf16: 7168 bytes per
   row), so "8.8MiB" is 1287 rows = 9 225 216 bytes; exact sizes are in the JSON.

@@ -242,7 +242,10 @@ class _Closer:
 # -- ectransport ------------------------------------------------------------------------------
 
 
-def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool) -> tuple:
+def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool,
+              plane_options: dict | None = None) -> tuple:
+    """A started ProducerNode offering ``plane`` (``plane_options``: that plane's constructor
+    options, e.g. ``{"grant_scope": "region"}`` for nixl) holding every size's entries."""
     from ectransport.node.common import Layout, Security
     from ectransport.node.producer import ProducerNode
 
@@ -257,7 +260,9 @@ def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool) 
         # identity whose k-deep window of the largest entries must not wait on NACK_BUSY
         node = ProducerNode(layout=layout, region_bytes=(need + 16) * block, security=sec,
                             planes=(plane,), lease_s=30.0, budget_bytes=(need + 16) * block,
-                            node_id=f"bench-producer-{plane}-" + ("plain" if insecure else "curve"))
+                            plane_options={plane: dict(plane_options)} if plane_options else None,
+                            node_id=f"bench-producer-{plane}-" + ("plain" if insecure else "curve")
+                            + "".join(f"-{v}" for v in (plane_options or {}).values()))
     try:
         node.start()
         for i, (src, c) in enumerate(zip(sources, copies, strict=True)):
@@ -276,7 +281,8 @@ def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
     """Open one endpoint; returns (object with close(), info for the consumer)."""
     kind = req["kind"]
     if kind == "ect":
-        return _producer(cfg, sources, req["plane"], insecure=not req["curve"])
+        return _producer(cfg, sources, req["plane"], insecure=not req["curve"],
+                         plane_options=req.get("plane_options"))
     if kind == "zmq":
         return _zmq_echo(req["curve"])
     if kind == "raw":
@@ -288,6 +294,15 @@ def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
         if plane == "ucx":
             return _ucxx_server(sources)
     raise ValueError(f"unknown endpoint {req}")
+
+
+def _plane_info(node) -> dict:
+    """Scope and live grant registrations of a ProducerNode's nixl plane (read-only)."""
+    plane = getattr(node, "_planes", {}).get("nixl")
+    if plane is None:
+        return {}
+    return {"grant_scope": getattr(plane, "grant_scope", None),
+            "exposed_registrations": getattr(plane, "exposed_registrations", None)}
 
 
 def _threads() -> int:
@@ -302,8 +317,11 @@ def _cpu_s() -> float:
 def main() -> None:
     """Serve commands, one JSON object per line on stdin, one JSON reply per line on stdout:
 
-    * ``{"op": "open", "kind": "ect", "plane": P, "curve": B}`` — a ProducerNode offering only
-      plane P (CURVE on/off) holding every size's entries;
+    * ``{"op": "open", "kind": "ect", "plane": P, "curve": B[, "plane_options": {...}]}`` — a
+      ProducerNode offering only plane P (CURVE on/off; that plane's constructor options)
+      holding every size's entries;
+    * ``{"op": "plane", "id": N}`` — what the plane of ProducerNode N reports about itself (nixl:
+      ``grant_scope`` and ``exposed_registrations``, the registrations of granted blocks alive);
     * ``{"op": "open", "kind": "raw", "plane": P[, "delay_us": D]}`` — the raw endpoint of plane
       P (nixl: its agent's progress-thread delay, µs);
     * ``{"op": "open", "kind": "zmq", "curve": B}`` — a pyzmq ROUTER echo;
@@ -339,6 +357,8 @@ def main() -> None:
                 del obj
                 gc.collect()
                 reply = {"closed": req["id"]}
+            elif op == "plane":
+                reply = _plane_info(handles[req["id"]])
             elif op == "idle":
                 c0 = _cpu_s()
                 time.sleep(req.get("seconds", 1.0))

@@ -4,9 +4,10 @@
 agent metadata of the whole registered region, so a consumer can READ any block, granted or not.
 Here, by default (``"grant"``), the producer registers *the granted blocks* when it describes a
 grant (one NIXL registration per distinct block list, shared by concurrent grants of the same
-entry, measured 5–20 µs on a 2-core host) and hands out NIXL *partial* metadata naming only that
-registration; the registration is dropped when the last grant naming it is revoked (after the
-producer's grace period, see :mod:`ectransport.session.producer`). What that enforces depends on
+entry; 12–24 µs per describe+revoke on a 2-core host, +60–116 µs per 8.8 MiB fetch, see
+docs/performance.md) and hands out NIXL *partial* metadata naming only that registration; the registration is dropped as soon as the last grant naming it ends (revoked),
+while the blocks themselves stay pinned for the producer's grace period (see
+:mod:`ectransport.session.producer`). What that enforces depends on
 the UCX transport underneath — see docs/security.md: on RDMA transports the HCA checks the
 registration's key, so a stale or foreign descriptor fails on the plane; on ``cma``/``tcp``
 (one host, or no RDMA) UCX reads any address of the producer process, and scope is only enforced
