@@ -519,6 +519,11 @@ class UcxPlane(DataTransport):
     def _run(self) -> None:
         w = self._worker
         epfd = w.epoll_file_descriptor
+        # poll(2), not select(2): a busy process has descriptors above FD_SETSIZE (1024), which
+        # select() cannot watch (ValueError: the service thread died, every transfer timed out)
+        poller = select.poll()
+        poller.register(epfd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         try:
             while not self._stop:
                 while w.progress():
@@ -533,7 +538,7 @@ class UcxPlane(DataTransport):
                 if w.arm():
                     timeout = 0.1 if not self._live else max(
                         0.0, min(0.1, min(t.deadline for t in self._live) - time.monotonic()))
-                    select.select([epfd, self._wake_r], [], [], timeout)
+                    poller.poll(timeout * 1000.0)
                     try:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
