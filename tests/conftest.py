@@ -10,6 +10,7 @@ deadline may run out.
 from __future__ import annotations
 
 import gc
+import selectors
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +45,16 @@ def server_keys() -> KeyPair:
 @pytest.fixture
 def client_keys() -> KeyPair:
     return new_keypair()
+
+
+def readable(obj: Any, timeout_s: float) -> bool:
+    """Whether ``obj`` (a file object, socket or descriptor) has input within ``timeout_s``.
+
+    Uses ``selectors`` (epoll/poll), not ``select.select``: a long test process holds
+    descriptors above FD_SETSIZE (1024), which ``select`` cannot watch."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(obj, selectors.EVENT_READ)
+        return bool(sel.select(max(0.0, timeout_s)))
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float = DEADLINE_S,
@@ -106,3 +117,15 @@ def poll_until(plane, pred: Callable[[Any], bool], timeout_s: float = DEADLINE_S
                 sink.append(ev)
             if pred(ev):
                 return ev
+
+
+def pytest_configure(config: Any) -> None:
+    """Let the test process hold many descriptors: every NIXL agent and UCX worker keeps some, and
+    a whole run opens hundreds of them (the soft limit is raised up to the hard one, 65536 at
+    most; CI machines start with a high limit anyway)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

@@ -3,7 +3,6 @@ the grant registry and its revoke rule, framing, the unread-bytes check before p
 connection, the pool's scopes."""
 
 import os
-import select
 import socket
 import threading
 
@@ -20,6 +19,7 @@ from ectransport.data.framing import (
 )
 from ectransport.data.serving import ConnectionPool, GrantTable, Notifications
 from ectransport.errors import DataPlaneError
+from tests.conftest import readable
 
 
 def test_empty_notif_means_none_requested_and_is_not_queued():
@@ -38,11 +38,11 @@ def test_unread_state_tells_clean_pending_and_closed_without_blocking():
         assert unread_state(a) == "clean"
         assert a.gettimeout() == 5.0  # restored
         b.sendall(b"xy")
-        select.select([a], [], [], 5.0)
+        readable(a, 5.0)
         assert unread_state(a) == "pending"
         assert a.recv(2) == b"xy"  # peeked, not consumed
         b.close()
-        select.select([a], [], [], 5.0)
+        readable(a, 5.0)
         assert unread_state(a) == "closed"
     finally:
         a.close()

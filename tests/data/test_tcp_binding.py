@@ -6,7 +6,6 @@ from an honest producer plane works and gets exactly its bytes."""
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from ectransport.data.tcp import (
 from ectransport.errors import DataPlaneError
 from ectransport.store import HostRegion, Run
 from ectransport.testing.conformance import notif_arrives, pattern, read_runs, wait_state
+from tests.conftest import readable
 
 BLOCK = 64 * 1024
 NUM_BLOCKS = 1100
@@ -345,7 +345,7 @@ def test_bytes_pushed_ahead_of_a_request_are_never_taken_for_its_reply(hostile_e
     assert len(pooled) == 1
     push_now.set()
     assert pushed.wait(DEADLINE_S)
-    select.select([pooled[0]], [], [], DEADLINE_S)  # the forged bytes are there
+    readable(pooled[0], DEADLINE_S)  # the forged bytes are there
     assert unread_state(pooled[0]) == "pending"
     h2 = consumer.start(binding, fake.grant(nbytes), [Run(10, 2)], nbytes, b"")
     assert wait_state(consumer, h2, DEADLINE_S) is XferState.DONE, h2.detail
@@ -386,7 +386,7 @@ def test_bytes_pushed_before_the_first_request_never_reach_the_next_fetch(hostil
     key = (binding.scope, "127.0.0.1", fake.port)
     pooled = [c.sock for c in consumer._pool._idle.get(key, [])]  # noqa: SLF001 - white box
     if pooled:  # DONE and pooled before the second reply came: wait until it is there
-        select.select([pooled[0]], [], [], DEADLINE_S)
+        readable(pooled[0], DEADLINE_S)
         assert unread_state(pooled[0]) == "pending"
     h2 = consumer.start(binding, fake.grant(nbytes), [Run(10, 1)], nbytes, b"")
     assert wait_state(consumer, h2, DEADLINE_S) is XferState.DONE, h2.detail

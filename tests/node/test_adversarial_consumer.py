@@ -23,7 +23,6 @@ import base64
 import hashlib
 import json
 import os
-import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
-from tests.conftest import KeyPair, new_keypair, wait_for
+from tests.conftest import KeyPair, new_keypair, readable, wait_for
 from tests.node._ectp_raw import RawClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +98,7 @@ class Adversary:
         return out
 
     def _line(self, timeout_s: float) -> dict:
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        r = readable(self.proc.stdout, timeout_s)
         line = self.proc.stdout.readline() if r else ""
         if not line:
             self.proc.kill()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -44,7 +43,7 @@ from ectransport.node import (
     ProducerNode,
     Security,
 )
-from tests.conftest import new_keypair, wait_for, wait_free
+from tests.conftest import new_keypair, readable, wait_for, wait_free
 from tests.node._hostile_producer import hostile_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +79,7 @@ class HostileProc:
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
-            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            r = readable(self.proc.stdout, max(0.0, left))
             chunk = os.read(self.proc.stdout.fileno(), 65536) if r else b""
             if not chunk:
                 err = self.stderr_path.read_text()[-3000:] if self.stderr_path.exists() else ""
@@ -387,7 +386,7 @@ def test_tcp_grants_outside_the_binding_connect_nowhere(honest, hostile_tcp, con
             assert out.reason is MissReason.INTERNAL, (kind, out)
             assert "refused before any I/O" in out.detail, (kind, out.detail)
         # a connect() would have completed into the backlog before the miss was reported
-        assert select.select([watch], [], [], 0)[0] == [], "the consumer connected to the port"
+        assert not readable(watch, 0), "the consumer connected to the port"
         assert honest_tcp.stats["accepted"] == accepted, honest_tcp.stats
         sync(c, hostile)
         after = hostile.stats()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Status
-from tests.conftest import new_keypair, wait_for
+from tests.conftest import new_keypair, readable, wait_for
 from tests.node._ectp_raw import RawClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +120,7 @@ def _spawn_raw_client(p: ProducerNode) -> subprocess.Popen:
 
 
 def _read_grant(proc: subprocess.Popen, timeout_s: float = 20.0) -> dict:
-    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    r = readable(proc.stdout, timeout_s)
     line = proc.stdout.readline() if r else ""
     if not line:
         proc.kill()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 from ectransport.node import ConsumerNode, Layout, MissReason, ProducerAddress, Security
-from tests.conftest import wait_for
+from tests.conftest import readable, wait_for
 
 from ._producer_proc import make_rows
 
@@ -38,7 +37,7 @@ def _spawn(tmp_path: Path, port: int = 0, insecure: bool = True) -> tuple[subpro
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=err, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     err.close()
-    r, _, _ = select.select([proc.stdout], [], [], 60)
+    r = readable(proc.stdout, 60)
     line = proc.stdout.readline() if r else ""
     if not line:
         proc.kill()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
-from tests.conftest import wait_for
+from tests.conftest import readable, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -38,7 +37,7 @@ def _rows(seed: int) -> np.ndarray:
 
 
 def _line(proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
-    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    r = readable(proc.stdout, timeout_s)
     line = proc.stdout.readline() if r else ""
     if not line:
         proc.kill()

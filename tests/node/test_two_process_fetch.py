@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import select
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from ectransport.node import (  # noqa: E402
     ProducerAddress,
     Security,
 )
-from tests.conftest import wait_for, wait_free  # noqa: E402
+from tests.conftest import readable, wait_for, wait_free  # noqa: E402
 from tests.node._producer_proc import make_rows, make_tensor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +73,7 @@ class ProducerProc:
 
 
 def _readline(proc: subprocess.Popen, timeout_s: float, stderr_path: Path) -> str:
-    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    r = readable(proc.stdout, timeout_s)
     line = proc.stdout.readline() if r else ""
     if not line:
         err = stderr_path.read_text()[-3000:] if stderr_path.exists() else ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -24,7 +24,9 @@ class Child:
     def readline(self, timeout_s: float = 30.0) -> str:
         """One line; the child must print each answer as one line and wait for the next command
         (``select`` sees the pipe, not what ``readline`` already buffered)."""
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        with selectors.DefaultSelector() as sel:  # not select(): descriptors may be > 1024
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout_s)
         if not ready:
             raise TimeoutError(f"child {self.proc.pid} printed nothing in {timeout_s} s")
         line = self.proc.stdout.readline()
