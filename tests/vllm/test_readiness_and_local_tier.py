@@ -173,7 +173,7 @@ def test_sigterm_removes_the_region_file_at_once(producer_extra, tmp_path):
         e = Engine("ec_producer", json.loads({json.dumps(json.dumps(producer_extra))}), "x")
         print(e.sched._scheduler.region.path, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)   # default disposition after ours: the process dies
-        time.sleep(30)
+        time.sleep(30)  # never reached: the SIGTERM above ends the process (the test's subject)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     path = r.stdout.strip().splitlines()[-1]

@@ -218,5 +218,5 @@ def _group_alive(pgid: int) -> bool:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return False
-        time.sleep(0.2)
+        time.sleep(0.2)  # poll interval: a process group's end has no event to wait on
     return True

@@ -62,7 +62,7 @@ class Server:
                     break
             except OSError:
                 assert time.monotonic() < deadline, f"{name} not healthy within 300 s"
-                time.sleep(1)
+                time.sleep(1)  # poll interval of the 300 s health deadline loop
 
     def chat(self, image: int, params: dict | None = None, max_tokens: int = 8) -> dict:
         from tiny_vlm import make_image

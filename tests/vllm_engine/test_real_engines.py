@@ -94,9 +94,9 @@ def test_epd_encoder_only_producer_equals_baseline(engines, baseline):
 
 def test_engines_idle_when_nothing_is_pending(engines):
     """has_pending_push_work kept an idle encoder-only engine stepping (issue 14)."""
-    time.sleep(1.0)
+    time.sleep(1.0)  # let the previous test's last steps finish: not ordering, a settling window
     before = {n: e.cpu_s() for n, e in engines.items()}
-    time.sleep(4.0)
+    time.sleep(4.0)  # the measurement window itself: CPU used by idle engines over 4 s
     used = {n: e.cpu_s() - before[n] for n, e in engines.items()}
     assert all(s < 0.8 for s in used.values()), f"CPU seconds used in 4 s idle: {used}"
 
@@ -176,7 +176,7 @@ def test_params_that_match_no_item_are_logged(engines, baseline):
     assert c.encoded() - before == 1 and o["tokens"] == base[33]
     deadline = time.monotonic() + 5
     while "none is one of its" not in c.log_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval of a deadline loop (the engine's log file has no event)
     assert "identical --model" in c.log_text(), "no log line for params matching no item"
 
 
