@@ -68,17 +68,18 @@ def main() -> None:
 
 
 def _patch_busy_poll(timeout_s: float) -> None:
-    """Re-define ConsumerNode._step with ``timeout = <timeout_s> if busy`` (measurement only)."""
+    """Re-define ConsumerDriver.step with ``wait_s = <timeout_s> if busy`` (measurement only)."""
     import inspect
     import textwrap
 
-    from ectransport.node import consumer
+    from ectransport.node import consumer_driver
 
-    src = textwrap.dedent(inspect.getsource(consumer.ConsumerNode._step))
-    assert "0.0 if busy" in src
+    src = textwrap.dedent(inspect.getsource(consumer_driver.ConsumerDriver.step))
+    assert "0.0 if self.busy()" in src
     ns: dict = {}
-    exec(src.replace("0.0 if busy", f"{timeout_s!r} if busy"), vars(consumer), ns)  # noqa: S102
-    consumer.ConsumerNode._step = ns["_step"]
+    exec(src.replace("0.0 if self.busy()", f"{timeout_s!r} if self.busy()"),  # noqa: S102
+         vars(consumer_driver), ns)
+    consumer_driver.ConsumerDriver.step = ns["step"]
 
 
 if __name__ == "__main__":

@@ -544,6 +544,17 @@ def _scope_section(res: dict) -> list[str]:
     return out
 
 
+def _ttft_section() -> list[str]:
+    """``## End to end in vLLM``: the consumer TTFT table that ``benchmarks/vllm_ttft.py`` wrote
+    to ``benchmarks/TTFT.md`` (a separate run, in real engines), with its notes."""
+    here = Path(__file__).resolve().parent
+    parts = [p.read_text().strip() for p in (here / "TTFT.md", here / "TTFT_NOTES.md")
+             if p.exists()]
+    if not parts:
+        return []
+    return ["## End to end in vLLM: consumer time to first token (issue 14)", "", *parts, ""]
+
+
 def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
     m = res["meta"]
     def rel(p: Path) -> str:
@@ -598,6 +609,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                             fmt_t(v["max"]), str(v["n"])]
                            for size, paths in solo.items() for p, v in paths.items()]), ""]
     out += _scope_section(res)
+    out += _ttft_section()
     out += ["## Latency per path (one at a time)", ""]
     lrows = []
     for size, paths in res["latency"].items():

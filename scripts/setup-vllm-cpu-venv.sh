@@ -75,6 +75,10 @@ assert all(u.find_spec(n) for n in ("ectransport", "nixl", "zmq", "torch", "tran
 PY
 }
 
+# vLLM's own EPD proxy example (from the vllm 0.32.0 sdist), the orchestrator of one real-engine
+# test; idempotent, and without the registry the test skips saying why.
+"$PY" scripts/fetch-vllm-epd-proxy.py "$VENV/share/vllm-examples"
+
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] && installed 2>/dev/null; then
   echo "setup-vllm-cpu-venv: $VENV is up to date"
   exit 0

@@ -1,5 +1,11 @@
 """``ectransport bench``: ectransport side by side with the raw planes, memcpy, the safetensors
-path and local recompute (the harness lives in the repository's ``benchmarks/`` directory)."""
+path and local recompute.
+
+The harness lives in the repository's ``benchmarks/`` directory, not in the wheel: it needs what
+the package does not (safetensors and matplotlib from the ``dev`` extra, a NIXL install, the
+repository's docs/ to regenerate), and it runs producer and consumer as scripts. From an installed
+package the command finds it through ``ECTRANSPORT_BENCHMARKS_DIR`` or the current directory, and
+otherwise says how to get it (exit code 2)."""
 
 from __future__ import annotations
 
@@ -13,15 +19,39 @@ from ectransport.cli.main import cli, friendly
 from ectransport.errors import ConfigError
 
 
+def _is_harness(d: Path) -> bool:
+    return (d / "harness.py").exists() and (d / "server.py").exists()
+
+
 def _benchmarks_dir() -> Path:
+    """The harness folder: ``$ECTRANSPORT_BENCHMARKS_DIR`` if set (it must hold the harness),
+    else the source checkout this package runs from (an editable install), else
+    ``./benchmarks``.
+
+    Raises:
+        ConfigError: ``$ECTRANSPORT_BENCHMARKS_DIR`` holds no harness, or none was found.
+    """
     env = os.environ.get("ECTRANSPORT_BENCHMARKS_DIR")
-    cands = ([Path(env)] if env else []) + [Path(__file__).resolve().parents[2] / "benchmarks",
-                                             Path.cwd() / "benchmarks"]
+    if env:
+        if _is_harness(Path(env)):
+            return Path(env)
+        raise ConfigError(
+            f"ECTRANSPORT_BENCHMARKS_DIR={env} holds no benchmark harness (harness.py and "
+            "server.py): point it at the benchmarks/ folder of an ectransport source checkout, "
+            "or unset it to use the checkout you run from")
+    cands = [Path.cwd() / "benchmarks"]
+    root = Path(__file__).resolve().parents[2]  # the checkout, when ectransport/ is a source tree
+    if (root / "pyproject.toml").exists() and (root / "ectransport").is_dir():
+        cands.insert(0, root / "benchmarks")
     for d in cands:
-        if (d / "harness.py").exists() and (d / "server.py").exists():
+        if _is_harness(d):
             return d
-    raise ConfigError("the benchmark harness (benchmarks/harness.py) was not found: run from a "
-                      "source checkout of ectransport or set ECTRANSPORT_BENCHMARKS_DIR")
+    raise ConfigError(
+        "the benchmark harness (benchmarks/harness.py) is not part of the installed package; "
+        "it ships with the source. Get a source checkout (`git clone` the ectransport repository, "
+        "then `pip install -e '.[nixl,dev]'` in it) and run `ectransport bench` inside that "
+        "checkout, or point ECTRANSPORT_BENCHMARKS_DIR at its benchmarks/ folder "
+        "(looked in: " + ", ".join(str(d) for d in cands) + ")")
 
 
 @cli.command()
@@ -42,7 +72,9 @@ def bench(mode: str, out: Path | None, no_docs: bool) -> None:
     run, interleaved, and print the ratio table (ectransport/raw, ectransport/memcpy,
     baseline/ectransport per size), plus the NIXL plane's grant_scope "grant" vs "region" (fetch
     latency A/B and the per-grant cost on each side). Producer and consumer run as two
-    processes."""
+    processes. Needs the harness from a source checkout (its benchmarks/ folder, found in the
+    current directory or through ECTRANSPORT_BENCHMARKS_DIR); an installed wheel alone says how
+    to get it."""
     import importlib.util
 
     d = _benchmarks_dir()

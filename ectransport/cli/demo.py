@@ -24,8 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ectransport.errors import ConfigError, PlaneUnavailable
+from ectransport.settings_schema import CLI
 
-PRODUCER_START_TIMEOUT_S = 600.0
+PRODUCER_START_TIMEOUT_S = CLI.demo.producer_start_timeout_s
 
 
 def _check_planes(planes: tuple[str, ...]) -> None:
@@ -47,7 +48,7 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
              planes: tuple[str, ...], insecure: bool, json_out: Path | None,
              config_file: Path | None = None, node_kwargs: dict | None = None,
              start_timeout_s: float = PRODUCER_START_TIMEOUT_S,
-             stop_timeout_s: float = 15.0) -> bool:
+             stop_timeout_s: float = CLI.demo.producer_stop_timeout_s) -> bool:
     """Run the demo; returns True when every item was fetched and verified bit for bit.
 
     ``config_file`` is passed on to the producer (``serve --config``); ``node_kwargs`` are more
@@ -68,7 +69,7 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
         tmpd = Path(tmp)
         cmd = [sys.executable, "-m", "ectransport.cli", "serve", "--port", "0", "--progress-json",
                "--images", image_arg, "--hidden", str(hidden), "--dtype", dtype,
-               "--seed", str(seed), "--region-bytes", str(1 << 30)]
+               "--seed", str(seed)]  # the region: serve's own ([producer] region_bytes, 1 GiB)
         for p in planes:
             cmd += ["--plane", p]
         if config_file is not None:

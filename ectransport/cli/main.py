@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ectransport import __version__
+from ectransport.cli.options import help_text, option
 from ectransport.errors import ECTransportError
+from ectransport.settings_schema import LEAVES
 
 EXIT_ERROR = 2
 
@@ -40,21 +43,22 @@ def friendly(fn):
     return wrapper
 
 
+def _log_option(key: str) -> Any:
+    """A group-level ``[log]`` flag: unset unless typed (the file/environment may say)."""
+    leaf = LEAVES["log", key]
+    return option(leaf, default=None, show_default=False,
+                  help=f"{help_text(leaf)} [default: {leaf.default}, or [log] {key}].")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ectransport")
-@click.option("--log-level", default=None,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="Logging level for ectransport's own loggers "
-                   "[default: WARNING, or [log] level].")
-@click.option("--log-format", default=None, type=click.Choice(["text", "json"]),
-              help="text, or one JSON object per line (with peer, session_id, mm_hash, grant_id) "
-                   "for log shippers [default: text, or [log] format].")
+@_log_option("level")
+@_log_option("format")
 @click.option("--config", "config_file", default=None, type=click.Path(path_type=Path),
               help="TOML settings file for every subcommand (see `ectransport config show`); "
                    "default $ECTRANSPORT_CONFIG.")
 @click.pass_context
-def cli(ctx: click.Context, log_level: str | None, log_format: str | None,
-        config_file: Path | None) -> None:
+def cli(ctx: click.Context, config_file: Path | None, **flags: str | None) -> None:
     """Move multimodal encoder-cache entries (vision/audio encoder outputs keyed by mm_hash)
     peer to peer between LLM-serving instances: a ZeroMQ control plane authenticated with
     CurveZMQ, and a data plane (NIXL by default).
@@ -62,6 +66,7 @@ def cli(ctx: click.Context, log_level: str | None, log_format: str | None,
     Start with `ectransport demo`: it runs a producer and a consumer as two processes on this
     machine and shows each fetched item verified bit for bit against a local recompute.
     """
+    log_level, log_format = flags["setting__log__level"], flags["setting__log__format"]
     ctx.obj = {"config": config_file, "log_level": log_level.upper() if log_level else None,
                "log_format": log_format}
     level, fmt = log_level, log_format

@@ -4,11 +4,14 @@
     loaded = load_settings("ectransport.toml")          # file < ECTRANSPORT_… env < flags
     node = ProducerNode(layout=..., security=..., **loaded.settings.producer_node_kwargs())
 
-See ``docs/configuration.md`` and ``ectransport config show``.
+The schema (every field, its default, unit and meaning, and each front end's deliberate
+differences) is :mod:`ectransport.settings_schema`. See ``docs/configuration.md`` and
+``ectransport config show``.
 """
 
 from ectransport.config.load import CONFIG_ENV, LEAVES, Loaded, load_settings
-from ectransport.config.settings import Settings
+from ectransport.config.settings import DIFFERENCES, Settings, defaults
 from ectransport.config.show import redact, render
 
-__all__ = ["CONFIG_ENV", "LEAVES", "Loaded", "Settings", "load_settings", "redact", "render"]
+__all__ = ["CONFIG_ENV", "DIFFERENCES", "LEAVES", "Loaded", "Settings", "defaults",
+           "load_settings", "redact", "render"]

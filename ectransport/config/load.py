@@ -6,8 +6,10 @@
   ``ECTRANSPORT_PRODUCER__LEASE_S=45``, ``ECTRANSPORT_CONTROL__SERVER__PEER_BURST=100``,
   ``ECTRANSPORT_NODE__PLANES=tcp,nixl``. Values are TOML literals where they parse as one
   (``45``, ``true``, ``["a", "b"]``, ``{TLS = "tcp"}``), else plain text; a list may be given
-  comma-separated. Variables without ``__`` are not settings (``ECTRANSPORT_PLANES`` stays the
-  plane registry's filter, ``ECTRANSPORT_CONFIG`` names the file).
+  comma-separated. An empty value leaves an optional setting unset
+  (``ECTRANSPORT_SECURITY__KEY_FILE=`` means no key file); other settings reject it. Variables
+  without ``__`` are not settings (``ECTRANSPORT_PLANES`` stays the plane registry's filter,
+  ``ECTRANSPORT_CONFIG`` names the file).
 - **Flags**: the CLI passes the flags the user actually typed as ``{"section.key": value}``.
 
 Unknown keys are errors, from any source, with a "did you mean" hint.
@@ -25,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from msgspec import inspect as mi
 
-from ectransport.config.settings import Settings
 from ectransport.errors import ConfigError
+from ectransport.settings_schema import DIFFERENCES, LEAVES, FrontEnd, Leaf, Settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,32 +39,6 @@ else:  # pragma: no cover - Python 3.10
 ENV_PREFIX = "ECTRANSPORT_"
 CONFIG_ENV = "ECTRANSPORT_CONFIG"
 DEFAULT = "default"
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One setting: its dotted path, type (msgspec.inspect), description and default."""
-
-    path: tuple[str, ...]
-    type: Any
-    description: str
-    default: Any
-
-    @property
-    def name(self) -> str:
-        return ".".join(self.path)
-
-    @property
-    def is_dict(self) -> bool:
-        return isinstance(_strip_none(self.type), mi.DictType)
-
-    @property
-    def is_list(self) -> bool:
-        return isinstance(_strip_none(self.type), mi.ListType)
-
-    @property
-    def is_str(self) -> bool:
-        return isinstance(_strip_none(self.type), (mi.StrType, mi.LiteralType))
 
 
 @dataclass
@@ -76,32 +51,6 @@ class Loaded:
     file: Path | None = None
 
 
-def _strip_none(t: Any) -> Any:
-    if isinstance(t, mi.UnionType):
-        rest = [x for x in t.types if not isinstance(x, mi.NoneType)]
-        return rest[0] if len(rest) == 1 else t
-    return t
-
-
-def _leaves(cls: type = Settings, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Leaf]:
-    out: dict[tuple[str, ...], Leaf] = {}
-    info = mi.type_info(cls)
-    assert isinstance(info, mi.StructType), cls  # Settings and its sections are all Structs
-    for f in info.fields:
-        t, desc = f.type, ""
-        if isinstance(t, mi.Metadata):
-            desc = (t.extra_json_schema or {}).get("description", "")
-            t = t.type
-        path = (*prefix, f.name)
-        if isinstance(t, mi.StructType):
-            out.update(_leaves(t.cls, path))
-        else:
-            default = f.default_factory() if f.default is mi.NODEFAULT else f.default
-            out[path] = Leaf(path, t, desc, default)
-    return out
-
-
-LEAVES: dict[tuple[str, ...], Leaf] = _leaves()
 _SECTIONS = {p[:i] for p in LEAVES for i in range(1, len(p))}
 
 
@@ -153,14 +102,19 @@ def read_file(path: str | os.PathLike) -> dict[tuple[str, ...], Any]:
 
 
 def _env_value(leaf: Leaf | None, raw: str) -> Any:
+    if leaf is not None and leaf.optional and not raw.strip():
+        return None  # ECTRANSPORT_SECURITY__KEY_FILE= : unset, as if the variable were absent
     if leaf is not None and leaf.is_str:
         return raw
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    if leaf is not None and leaf.is_list and isinstance(value, str):
-        value = [x.strip() for x in value.split(",") if x.strip()]
+    if leaf is not None and leaf.is_list:
+        if isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
+        elif not isinstance(value, list):  # ECTRANSPORT_NODE__VERSIONS=1: a list of one
+            value = [value]
     return value
 
 
@@ -204,7 +158,8 @@ def _deep_merge(base: Any, over: Any) -> Any:
 def load_settings(config_file: str | os.PathLike | None = None, *,
                   env: Mapping[str, str] | None = None,
                   flags: Mapping[str, Any] | None = None,
-                  flag_names: Mapping[str, str] | None = None) -> Loaded:
+                  flag_names: Mapping[str, str] | None = None,
+                  front_end: FrontEnd = "cli") -> Loaded:
     """Build the effective :class:`Settings`.
 
     Args:
@@ -212,6 +167,9 @@ def load_settings(config_file: str | os.PathLike | None = None, *,
         env: the environment (default ``os.environ``).
         flags: ``{"section.key": value}`` of CLI flags the user gave (highest precedence).
         flag_names: ``{"section.key": "--flag"}``, for the "where from" column.
+        front_end: whose defaults: ``"cli"`` (the ``ectransport`` commands': a 1 GiB producer
+            region on port 5601), ``"api"`` (``ProducerNode``'s own), ``"vllm"``; see
+            ``ectransport.settings_schema.DIFFERENCES``.
 
     Raises:
         ConfigError: unreadable/invalid file, unknown key anywhere, a value of the wrong type
@@ -220,7 +178,8 @@ def load_settings(config_file: str | os.PathLike | None = None, *,
     env = os.environ if env is None else env
     if config_file is None and env.get(CONFIG_ENV):
         config_file = env[CONFIG_ENV]
-    values: dict[tuple[str, ...], Any] = {}
+    values: dict[tuple[str, ...], Any] = {
+        tuple(name.split(".")): v for fe, name, v, _ in DIFFERENCES if fe == front_end}
     sources: dict[tuple[str, ...], str] = {p: DEFAULT for p in LEAVES}
     path = Path(config_file) if config_file is not None else None
     if path is not None:
@@ -252,5 +211,10 @@ def load_settings(config_file: str | os.PathLike | None = None, *,
                 if parts[:i] in sources:
                     where = f" (from {sources[parts[:i]]})"
                     break
+            else:  # a rule of a whole section (NodeSettings.__post_init__): its non-defaults
+                given = sorted({src for p, src in sources.items()
+                                if p[:len(parts)] == parts and src != DEFAULT})
+                if given:
+                    where = f" (from {', '.join(given)})"
         raise ConfigError(f"invalid setting{where}: {msg}") from e
     return Loaded(settings, sources, path)

@@ -79,3 +79,34 @@ def render(loaded: Loaded) -> str:
         else:
             lines.append(f"{path[-1]} = {toml_value(value)}  {comment}")
     return "\n".join(lines) + "\n"
+
+
+def _doc_value(v: Any) -> str:
+    return "unset" if v is None else toml_value(v)
+
+
+def docs_tables() -> str:
+    """The "Every setting" tables of ``docs/configuration.md``, one per section, generated from
+    the schema (a test keeps the document equal to this), then the deliberate differences."""
+    from ectransport.settings_schema import DIFFERENCES
+
+    out: list[str] = []
+    section: tuple[str, ...] | None = None
+    for path, leaf in LEAVES.items():
+        if path[:-1] != section:
+            section = path[:-1]
+            out += ["", f"### `[{'.'.join(section)}]`", "",
+                    "| key | default | meaning (unit) | env |", "|---|---|---|---|"]
+        default = _doc_value(leaf.default_for("cli"))
+        if leaf.differs("cli") is not None:
+            default += f" (API: {_doc_value(leaf.default)})"
+        env = "ECTRANSPORT_" + "__".join(p.upper() for p in path)
+        meaning = leaf.description.replace("|", "\\|")
+        out.append(f"| `{path[-1]}` | `{default}` | {meaning} | `{env}` |")
+    out += ["", "### Deliberate differences between front ends", "",
+            "| front end | setting | default there | Python API | why |", "|---|---|---|---|---|"]
+    for fe, name, value, reason in DIFFERENCES:
+        api = LEAVES[tuple(name.split("."))].default
+        out.append(f"| {fe} | `{name}` | `{_doc_value(value)}` | `{_doc_value(api)}` | "
+                   f"{reason} |")
+    return "\n".join(out[1:]) + "\n"

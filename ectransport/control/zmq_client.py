@@ -37,6 +37,9 @@ from ectransport.control.zmq_common import (
     tcp_endpoint,
 )
 from ectransport.errors import ConfigError
+from ectransport.settings_schema import API
+
+_D = API.control.client  # the defaults: ectransport.settings_schema.ControlClientSettings
 
 __all__ = ["ZmqControlClient"]
 
@@ -89,15 +92,15 @@ class ZmqControlClient(ControlClient):
         secret_key: str | None = None,
         public_key: str | None = None,
         insecure: bool = False,
-        handshake_timeout_s: float = 1.5,
-        heartbeat_ivl_s: float = 2.0,
-        heartbeat_timeout_s: float = 4.0,
-        max_frame_bytes: int = 8 << 20,
-        max_msgs_per_poll: int = 256,
-        sndhwm: int = 1000,
-        rcvhwm: int = 1000,
-        reconnect_ivl_s: float = 0.1,
-        reconnect_ivl_max_s: float = 2.0,
+        handshake_timeout_s: float = _D.handshake_timeout_s,
+        heartbeat_ivl_s: float = _D.heartbeat_ivl_s,
+        heartbeat_timeout_s: float = _D.heartbeat_timeout_s,
+        max_frame_bytes: int = _D.max_frame_bytes,
+        max_msgs_per_poll: int = _D.max_msgs_per_poll,
+        sndhwm: int = _D.sndhwm,
+        rcvhwm: int = _D.rcvhwm,
+        reconnect_ivl_s: float = _D.reconnect_ivl_s,
+        reconnect_ivl_max_s: float = _D.reconnect_ivl_max_s,
     ) -> None:
         check_positive(
             handshake_timeout_s=handshake_timeout_s,

@@ -35,6 +35,9 @@ from ectransport.control.zmq_common import (
     tcp_endpoint,
 )
 from ectransport.errors import ConfigError
+from ectransport.settings_schema import API
+
+_D = API.control.server  # the defaults: ectransport.settings_schema.ControlServerSettings
 
 __all__ = ["ZmqControlServer"]
 
@@ -115,15 +118,15 @@ class ZmqControlServer(ControlServer):
         public_key: str | None = None,
         allow: AllowList | None = None,
         insecure: bool = False,
-        heartbeat_ivl_s: float = 2.0,
-        heartbeat_timeout_s: float = 4.0,
-        max_frame_bytes: int = 8 << 20,
-        max_msgs_per_poll: int = 256,
-        peer_rate_per_s: float = 2000.0,
-        peer_burst: int = 500,
-        sndhwm: int = 1000,
-        rcvhwm: int = 1000,
-        handshake_timeout_s: float = 10.0,
+        heartbeat_ivl_s: float = _D.heartbeat_ivl_s,
+        heartbeat_timeout_s: float = _D.heartbeat_timeout_s,
+        max_frame_bytes: int = _D.max_frame_bytes,
+        max_msgs_per_poll: int = _D.max_msgs_per_poll,
+        peer_rate_per_s: float = _D.peer_rate_per_s,
+        peer_burst: int = _D.peer_burst,
+        sndhwm: int = _D.sndhwm,
+        rcvhwm: int = _D.rcvhwm,
+        handshake_timeout_s: float = _D.handshake_timeout_s,
     ) -> None:
         check_positive(
             heartbeat_ivl_s=heartbeat_ivl_s,

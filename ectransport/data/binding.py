@@ -28,7 +28,7 @@ import ipaddress
 import itertools
 import socket
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -200,3 +200,55 @@ def check_grant(binding: Any, plane: str, host: str, port: int, node: str | None
             f"declared {binding.host}:{binding.port} (node {binding.node!r}) for this session: "
             f"refused before any I/O (a producer may only grant what it declared)")
     return binding
+
+
+class HostEndpointPlane:
+    """``endpoint()`` and ``bind_peer()`` of a plane reached at ``host:port`` (TCP, UCX): the
+    declaration :class:`HostEndpoint` and its check :func:`bind_host_endpoint`. Put it before the
+    plane's base class; the plane names its declaration type and decoder, says which address it
+    declares (:meth:`_declared_address`) and may hook the binding (:meth:`_check_open`,
+    :meth:`_register_binding`)."""
+
+    name: ClassVar[str]
+    #: the plane's tagged :class:`HostEndpoint` subclass and its msgpack decoder
+    endpoint_type: ClassVar[type[HostEndpoint]]
+    endpoint_decoder: ClassVar[msgspec.msgpack.Decoder[Any]]
+    node_id: str
+    identity: str
+
+    def _declared_address(self) -> tuple[str, int]:
+        """The ``(host, port)`` grants name: what :meth:`endpoint` declares."""
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        """Before a declaration is checked: raise DataPlaneError if the plane is closed."""
+
+    def _register_binding(self, binding: HostBinding) -> None:
+        """After a declaration was accepted (e.g. note its scope as pooled); may raise
+        DataPlaneError (closed meanwhile)."""
+
+    def endpoint(self) -> bytes:
+        """Producer side: the msgpack declaration ``{v, host, port, node, identity}`` (about 80
+        bytes) that every grant of a session must match."""
+        host, port = self._declared_address()
+        return endpoint_bytes(self.endpoint_type(ENDPOINT_VERSION, host, port, self.node_id,
+                                                 self.identity))
+
+    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str
+                  ) -> HostBinding | None:
+        """Consumer side: check a producer's :meth:`endpoint` and return the session's binding.
+
+        ``b""`` (a producer that declares nothing) gives None: that session's grants are not bound
+        (``start`` warns once). Rules: :mod:`ectransport.data.binding`.
+
+        Raises:
+            DataPlaneError: oversized, malformed or wrong-version declaration; an identity other
+                than ``identity`` (when non-empty); a host other than the dialed ``host``; the
+                plane is closed.
+        """
+        self._check_open()
+        binding = bind_host_endpoint(self.name, self.endpoint_decoder, endpoint, peer=peer,
+                                     host=host, identity=identity)
+        if binding is not None:
+            self._register_binding(binding)
+        return binding

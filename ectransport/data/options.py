@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ectransport.errors import ConfigError
+from ectransport.settings_schema import API
 
 
 def reject_unknown(what: str, options: Mapping[str, Any], known: Iterable[str]) -> None:
@@ -23,14 +24,12 @@ def reject_unknown(what: str, options: Mapping[str, Any], known: Iterable[str]) 
                           f"expected some of {sorted(known)}")
 
 
-#: Defaults of :class:`ServingOptions`, merged into each serving plane's option table.
+#: Defaults of :class:`ServingOptions` (the schema's ``[planes.tcp]`` section), merged into each
+#: serving plane's option table.
 SERVING_DEFAULTS: dict[str, Any] = {
-    "connect_timeout_s": 5.0,
-    "io_timeout_s": 10.0,  # longest stall of one socket operation during a transfer or header
-    "idle_timeout_s": 60.0,  # producer: a connection idle this long between requests is closed
-    "max_connections": 64,  # producer: concurrent connections served (one thread each)
-    "max_inflight": 64,  # consumer: concurrent receives (one thread each)
-    "max_idle_per_peer": 8,  # consumer: pooled idle connections kept per producer endpoint
+    k: getattr(API.planes.tcp, k)
+    for k in ("connect_timeout_s", "io_timeout_s", "idle_timeout_s", "max_connections",
+              "max_inflight", "max_idle_per_peer")
 }
 
 

@@ -64,11 +64,9 @@ from typing import Any
 
 from ectransport.data.base import PLUGIN_API_VERSION, Capabilities, RegionLike, TransferModel
 from ectransport.data.binding import (
-    ENDPOINT_VERSION,
     HostBinding,
-    bind_host_endpoint,
+    HostEndpointPlane,
     check_grant,
-    endpoint_bytes,
 )
 from ectransport.data.framing import PeerClosed, frame
 from ectransport.data.serving import Channel, Receive, ServedGrant
@@ -88,6 +86,7 @@ from ectransport.data.tcp_wire import (
     endpoint_decoder,
 )
 from ectransport.errors import ConfigError, DataPlaneError
+from ectransport.settings_schema import API
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_NOTIF_BYTES", "STATUS_BAD_REQUEST", "STATUS_OK",
@@ -110,7 +109,7 @@ class _Route:
     node: str
 
 
-class TcpPlane(SocketServingPlane[TcpGrant, _Route, Channel]):
+class TcpPlane(HostEndpointPlane, SocketServingPlane[TcpGrant, _Route, Channel]):
     """Producer-sends plane over plain TCP for one node and one DRAM region.
 
     Args:
@@ -133,6 +132,8 @@ class TcpPlane(SocketServingPlane[TcpGrant, _Route, Channel]):
 
     name = "tcp"
     plugin_api_version = PLUGIN_API_VERSION
+    endpoint_type = TcpEndpoint
+    endpoint_decoder = endpoint_decoder
     capabilities = Capabilities(
         transfer_model=TransferModel.PUSH,
         mem_kinds=frozenset({"DRAM"}),
@@ -148,8 +149,9 @@ class TcpPlane(SocketServingPlane[TcpGrant, _Route, Channel]):
     max_notif_bytes = MAX_NOTIF_BYTES
     option_defaults = {
         "host": "127.0.0.1",  # bind address of the listener
-        "port": 0,  # 0 = any free port
-        "advertise_host": None,  # address put in grants; default: host (required for 0.0.0.0 / ::)
+        "port": API.planes.tcp.port,  # 0 = any free port
+        # address put in grants; None = host (required for a wildcard host: 0.0.0.0 / ::)
+        "advertise_host": API.planes.tcp.advertise_host,
     }
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):
@@ -195,32 +197,15 @@ class TcpPlane(SocketServingPlane[TcpGrant, _Route, Channel]):
     def describe_transport(self) -> str:
         return f"tcp {self.host}:{self.port}"
 
-    # -- session binding (API 2) -------------------------------------------------------------------
-    def endpoint(self) -> bytes:
-        """Producer side: the msgpack :class:`TcpEndpoint` ``{v, host, port, node, identity}``
-        (about 80 bytes) that every grant of a session must match."""
-        return endpoint_bytes(TcpEndpoint(ENDPOINT_VERSION, self.host, self.port, self.node_id,
-                                          self.identity))
+    # -- session binding (API 2): endpoint() and bind_peer() are HostEndpointPlane's -------------
+    def _declared_address(self) -> tuple[str, int]:
+        return self.host, self.port
 
-    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str
-                  ) -> HostBinding | None:
-        """Consumer side: check a producer's :meth:`endpoint` and return the session's binding.
-
-        ``b""`` (a producer that declares nothing) gives None: that session's grants are not bound
-        (``start`` warns once). Rules: :mod:`ectransport.data.binding`.
-
-        Raises:
-            DataPlaneError: oversized, malformed or wrong-version declaration; an identity other
-                than ``identity`` (when non-empty); a host other than the dialed ``host``.
-        """
-        binding = bind_host_endpoint(self.name, endpoint_decoder, endpoint, peer=peer, host=host,
-                                     identity=identity)
-        if binding is not None:
-            with self._lock:
-                if self._closed:
-                    raise DataPlaneError("tcp plane is closed")
-                self._bound.add(binding.scope)
-        return binding
+    def _register_binding(self, binding: HostBinding) -> None:
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("tcp plane is closed")
+            self._bound.add(binding.scope)
 
     def unbind_peer(self, binding: Any) -> None:
         """Consumer side: close the idle pooled connections of ``binding``'s session; receives in

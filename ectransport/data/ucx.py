@@ -55,6 +55,10 @@ ucxx), from measurements on a 2-core loopback host, 8.8 MiB:
 :meth:`UcxPlane.describe_transport` says which of these applies, so a slow fallback is never silent.
 
 Importing this module does not import ucxx (that mutates ``os.environ``); the constructor does.
+
+Split by concept: :mod:`.ucx_wire` (grant, declaration, request, reply header, tags) and
+:mod:`.ucx_service` (the service thread that makes every UCX call; importing ucxx); here: the
+plane's API.
 """
 
 from __future__ import annotations
@@ -63,17 +67,12 @@ import collections
 import ctypes
 import importlib.metadata
 import importlib.util
-import ipaddress
 import logging
 import os
-import re
-import secrets
-import select
-import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -87,169 +86,46 @@ from ectransport.data.base import (
     XferState,
 )
 from ectransport.data.binding import (
-    ENDPOINT_VERSION,
     HostBinding,
-    HostEndpoint,
-    bind_host_endpoint,
+    HostEndpointPlane,
     check_grant,
-    endpoint_bytes,
 )
 from ectransport.data.options import reject_unknown
 from ectransport.data.runs import check_runs, payload_spans, split_spans, union_cuts, views
-from ectransport.data.serving import TOKEN_BYTES, Notifications, grant_token, new_token
+from ectransport.data.serving import Notifications, grant_token, new_token
+from ectransport.data.ucx_service import (
+    INSTALL_HINT,
+    UcxService,
+    _Conn,
+    _default_options,
+    _import_ucxx,
+    _Transfer,
+)
+from ectransport.data.ucx_service import _Served as _Served
+from ectransport.data.ucx_wire import (
+    _MAX_SEGS,
+    Key,
+    _dial_address,
+    _endpoint_decoder,
+    _grant_decoder,
+    _grant_encoder,
+)
+from ectransport.data.ucx_wire import _OK as _OK
+from ectransport.data.ucx_wire import _SEG_BITS as _SEG_BITS
+from ectransport.data.ucx_wire import UcxEndpoint as UcxEndpoint
+from ectransport.data.ucx_wire import UcxGrant as UcxGrant
+from ectransport.data.ucx_wire import UcxRequest as UcxRequest
+from ectransport.data.ucx_wire import _header as _header
+from ectransport.data.ucx_wire import _request_decoder as _request_decoder  # tests forge requests
 from ectransport.errors import ConfigError, DataPlaneError, PlaneUnavailable
+from ectransport.settings_schema import API
 from ectransport.store import Run
 
-_INSTALL_HINT = "install it with: pip install 'ectransport[ucx]'"
 _OPTIONS = {"host", "port", "peer_error_handling", "transfer_timeout_s", "ucx_options"}
-_HEADER_BYTES = 256
-_SEG_BITS = 20  # segments per transfer < 2**20; tag = xid << 20 | index
-_MAX_SEGS = (1 << _SEG_BITS) - 1
-_XID_BITS = 64 - _SEG_BITS  # random transfer ids (see the module docstring)
-_OK, _REFUSED, _BAD, _INTERNAL = 0, 1, 2, 3
 _log = logging.getLogger(__name__)
 
-#: UCX user environment at import of this module, before ucxx rewrites it (ucxx's __init__ sets
-#: UCX_RNDV_THRESH, UCX_MEMTYPE_CACHE, ...): our defaults never override what the user set.
-_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
 
-
-class UcxGrant(msgspec.Struct, frozen=True, tag="ucx/1", forbid_unknown_fields=True):
-    """The ``plane_grant`` of the UCX plane (msgpack; opaque to everything but this module).
-
-    Attributes:
-        host: address the consumer connects to (the producer's ``host`` option).
-        port: the producer's UCX listener port.
-        token: 16 random bytes naming this grant; revoked when the grant ends.
-        nbytes: payload bytes.
-        blocks: granted blocks (the consumer's runs must count as many).
-        lens: byte lengths of the producer's contiguous pieces, in payload order (sum = nbytes).
-    """
-
-    host: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
-    token: Annotated[bytes, msgspec.Meta(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
-    nbytes: Annotated[int, msgspec.Meta(ge=0)]
-    blocks: Annotated[int, msgspec.Meta(gt=0)]
-    lens: list[Annotated[int, msgspec.Meta(gt=0)]]
-
-
-class UcxEndpoint(HostEndpoint, frozen=True, tag="ucx-ep", forbid_unknown_fields=True):
-    """The UCX plane's ``endpoint()`` declaration (fields: :class:`HostEndpoint`); every grant of
-    the session must name its ``host`` and ``port``."""
-
-
-class UcxRequest(msgspec.Struct, frozen=True, tag="ucxreq/1", forbid_unknown_fields=True):
-    """Consumer → producer (active message): serve ``token`` as segments ``segs`` on tags
-    ``xid << 20 | 1..len(segs)`` after a header on ``xid << 20``."""
-
-    token: bytes
-    xid: Annotated[int, msgspec.Meta(gt=0, lt=1 << _XID_BITS)]
-    notif: bytes
-    segs: list[Annotated[int, msgspec.Meta(gt=0)]]
-
-
-_grant_encoder = msgspec.msgpack.Encoder()
-_grant_decoder = msgspec.msgpack.Decoder(UcxGrant)
-_request_decoder = msgspec.msgpack.Decoder(UcxRequest)
-_endpoint_decoder = msgspec.msgpack.Decoder(UcxEndpoint)
-
-Key = tuple[int, str, int]  # consumer's endpoint key: (binding scope, 0 = unbound; host; port)
-
-
-def _dial_address(host: str) -> str:
-    """The address to give UCX for ``host``: any IPv4 loopback address becomes 127.0.0.1, the
-    only one UCX's connection manager accepts on (module docstring); others are unchanged."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv4Address) and ip.is_loopback:
-        return "127.0.0.1"
-    return host
-
-
-def _header(status: int, detail: str = "") -> np.ndarray:
-    raw = detail.encode()[: _HEADER_BYTES - 3]
-    buf = np.zeros(_HEADER_BYTES, np.uint8)
-    buf[:3] = np.frombuffer(struct.pack("!BH", status, len(raw)), np.uint8)
-    buf[3 : 3 + len(raw)] = np.frombuffer(raw, np.uint8)
-    return buf
-
-
-def _parse_header(buf: np.ndarray) -> tuple[int, str]:
-    status, n = struct.unpack("!BH", buf[:3].tobytes())
-    return status, buf[3 : 3 + min(n, _HEADER_BYTES - 3)].tobytes().decode(errors="replace")
-
-
-def _import_ucxx() -> Any:
-    """Import ucxx without letting it change this process's environment.
-
-    ``import ucxx`` writes ``UCX_*`` variables (e.g. ``UCX_RNDV_THRESH=8192``) into
-    ``os.environ``; every UCX context created afterwards in the process reads them — NIXL's
-    included, where that threshold made an 8.8 MiB READ ~30x slower (measured). The plane passes
-    its own options to its own context instead, so the environment is restored right after.
-    """
-    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    try:
-        import ucxx._lib.libucxx as ucx_api
-        from ucxx._lib.arr import Array
-    except ImportError as exc:
-        raise PlaneUnavailable(f"the ucx data plane needs ucxx ({exc}); {_INSTALL_HINT}") from exc
-    finally:
-        for k in [k for k in os.environ if k.startswith("UCX_") and k not in before]:
-            del os.environ[k]
-        os.environ.update(before)
-    return ucx_api, Array
-
-
-def _default_options(peer_error_handling: bool) -> dict[str, str]:
-    """Our UCX defaults, minus every variable the user set (``UCX_<KEY>``) before import."""
-    opts = {"RNDV_THRESH": "8192", "WARN_UNUSED_ENV_VARS": "n"}
-    return {k: v for k, v in opts.items() if f"UCX_{k}" not in _USER_UCX_ENV}
-
-
-class _Transfer:
-    """Consumer-side handle of one request (the ``Handle`` of :meth:`UcxPlane.start`)."""
-
-    __slots__ = ("addr", "deadline", "detail", "done", "hdr", "hdr_req", "msg", "notif", "peer",
-                 "posted", "reqs", "segs", "state", "token", "views", "xid")
-
-    def __init__(self, xid: int, peer: Key, addr: str, token: bytes, notif: bytes,
-                 segs: list[int], views: list[np.ndarray], deadline: float):
-        self.xid, self.peer, self.addr, self.token, self.notif = xid, peer, addr, token, notif
-        self.segs, self.views, self.deadline = segs, views, deadline
-        self.state = XferState.PROC
-        self.detail = ""
-        self.hdr = np.zeros(_HEADER_BYTES, np.uint8)
-        self.hdr_req: Any = None
-        self.msg: Any = None  # the request's send buffer, alive until the transfer ends
-        self.reqs: list[Any] = []
-        self.posted = False  # segment receives posted into the region
-        self.done = threading.Event()  # set once nothing more can land
-
-
-class _Served:
-    """Producer-side sends of one request; ``notif`` is queued when all completed."""
-
-    __slots__ = ("bufs", "conn", "notif", "reqs")
-
-    def __init__(self, conn: Any, reqs: list[Any], bufs: list[Any], notif: bytes | None):
-        self.conn, self.reqs, self.bufs, self.notif = conn, reqs, bufs, notif
-
-
-class _Conn:
-    """A producer-side accepted endpoint with its outstanding active-message receive."""
-
-    __slots__ = ("am", "ep")
-
-    def __init__(self, ep: Any):
-        self.ep = ep
-        self.am: Any = None
-
-
-
-class UcxPlane(DataTransport):
+class UcxPlane(HostEndpointPlane, UcxService, DataTransport):
     """PUSH plane over UCX (ucxx) for one node and one DRAM region.
 
     Args:
@@ -274,6 +150,8 @@ class UcxPlane(DataTransport):
 
     name = "ucx"
     plugin_api_version = PLUGIN_API_VERSION
+    endpoint_type = UcxEndpoint
+    endpoint_decoder = _endpoint_decoder
     capabilities = Capabilities(
         transfer_model=TransferModel.PUSH,
         mem_kinds=frozenset({"DRAM"}),
@@ -287,12 +165,13 @@ class UcxPlane(DataTransport):
         mem_kind = getattr(region, "mem_kind", "DRAM")
         if mem_kind != "DRAM":
             raise ConfigError(f"ucx plane moves DRAM memory, region is {mem_kind!r}")
-        self._timeout_s = float(options.get("transfer_timeout_s", 30.0))
+        d = API.planes.ucx  # the defaults: ectransport.settings_schema.UcxPlaneSettings
+        self._timeout_s = float(options.get("transfer_timeout_s", d.transfer_timeout_s))
         if not self._timeout_s > 0:
             raise ConfigError(f"transfer_timeout_s must be > 0, got {self._timeout_s}")
-        self._eh = bool(options.get("peer_error_handling", False))
+        self._eh = bool(options.get("peer_error_handling", d.peer_error_handling))
         self._host = str(options.get("host", "127.0.0.1"))
-        port = int(options.get("port", 0))
+        port = int(options.get("port", d.port))
         self._api, self._Array = _import_ucxx()
         api = self._api
 
@@ -342,7 +221,7 @@ class UcxPlane(DataTransport):
     def probe(cls) -> tuple[bool, str]:
         """``(True, "ucxx <version>")`` or ``(False, reason)``; never imports ucxx."""
         if importlib.util.find_spec("ucxx") is None:
-            return False, f"ucxx is not installed; {_INSTALL_HINT}"
+            return False, f"ucxx is not installed; {INSTALL_HINT}"
         for dist in ("ucxx-cu12", "ucxx-cu13", "ucxx"):
             try:
                 return True, f"ucxx {importlib.metadata.version(dist)}"
@@ -363,28 +242,13 @@ class UcxPlane(DataTransport):
             bulk = "tcp"
         return f"ucx (tls={tls}; intra-node bulk: {bulk}; peer_error_handling={self._eh})"
 
-    # -- session binding (API 2) -------------------------------------------------------------------
-    def endpoint(self) -> bytes:
-        """Producer side: the msgpack :class:`UcxEndpoint` ``{v, host, port, node, identity}``
-        (about 80 bytes) that every grant of a session must match."""
-        return endpoint_bytes(UcxEndpoint(ENDPOINT_VERSION, self._host, self.port, self.node_id,
-                                          self.identity))
+    # -- session binding (API 2): endpoint() and bind_peer() are HostEndpointPlane's -------------
+    def _declared_address(self) -> tuple[str, int]:
+        return self._host, self.port
 
-    def bind_peer(self, endpoint: bytes, *, peer: str, host: str, identity: str
-                  ) -> HostBinding | None:
-        """Consumer side: check a producer's :meth:`endpoint`; the session's binding.
-
-        ``b""`` (a producer that declares nothing) gives None: that session's grants are not bound
-        (``start`` warns once). Rules: :mod:`ectransport.data.binding`.
-
-        Raises:
-            DataPlaneError: oversized, malformed or wrong-version declaration; an identity other
-                than ``identity`` (when non-empty); a host other than the dialed ``host``; closed.
-        """
+    def _check_open(self) -> None:
         if self._closed:
             raise DataPlaneError("ucx plane is closed")
-        return bind_host_endpoint(self.name, _endpoint_decoder, endpoint, peer=peer, host=host,
-                                  identity=identity)
 
     def unbind_peer(self, binding: Any) -> None:
         """Consumer side: close the UCX endpoint of ``binding``'s session (a transfer of it still
@@ -505,269 +369,8 @@ class UcxPlane(DataTransport):
         self._worker = None
         self._ctx = None
 
-    # -- service thread ---------------------------------------------------------------------------
-    def _submit(self, cmd: str, arg: Any) -> None:
-        self._cmds.append((cmd, arg))
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (a wake-up is pending anyway) or closed
-
-    def _run(self) -> None:
-        w = self._worker
-        epfd = w.epoll_file_descriptor
-        # poll(2), not select(2): a busy process has descriptors above FD_SETSIZE (1024), which
-        # select() cannot watch (ValueError: the service thread died, every transfer timed out)
-        poller = select.poll()
-        poller.register(epfd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        try:
-            while not self._stop:
-                while w.progress():
-                    pass
-                self._do_commands()
-                self._poll_producer()
-                self._poll_consumer()
-                if self._stop:
-                    break
-                if self._cmds:
-                    continue
-                if w.arm():
-                    timeout = 0.1 if not self._live else max(
-                        0.0, min(0.1, min(t.deadline for t in self._live) - time.monotonic()))
-                    poller.poll(timeout * 1000.0)
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-        except Exception:
-            _log.exception("ucx plane %s: service thread failed", self.node_id)
-        finally:
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        """On the service thread: fail live transfers, close every endpoint, drop the listener."""
-        self._stop = True
-        for t in self._live:
-            self._finish(t, XferState.ERR, "plane closed")
-        self._live.clear()
-        while self._cmds:
-            cmd, arg = self._cmds.popleft()
-            if cmd == "start" or cmd == "abort":
-                self._finish(arg, XferState.ERR, "plane closed")
-        eps = [c.ep for c in self._conns] + list(self._eps.values())
-        self._conns.clear()
-        self._eps.clear()
-        self._served.clear()
-        for ep in eps:
-            self._close_ep(ep)
-        end = time.monotonic() + 0.5
-        while time.monotonic() < end and self._worker.progress():
-            pass
-        self._listener = None
-
-    def _close_ep(self, ep: Any) -> None:
-        try:
-            if not ep.alive:  # closing an endpoint UCX already failed segfaults (ucxx 0.52)
-                return
-            ep.close()
-        except Exception as exc:  # noqa: BLE001 - ucxx errors at close are only logged
-            _log.debug("ucx plane: endpoint close failed: %s", exc)
-        try:
-            self._worker.progress()
-        except Exception as exc:  # noqa: BLE001
-            _log.debug("ucx plane: progress after close failed: %s", exc)
-
-    def _do_commands(self) -> None:
-        while self._cmds:
-            cmd, arg = self._cmds.popleft()
-            if cmd == "start":
-                self._start(arg)
-            elif cmd == "abort":
-                self._abort(arg)
-            elif cmd == "forget":
-                for key in [k for k in self._eps if arg in (k[1], f"{k[1]}:{k[2]}")]:
-                    self._drop_peer(key, "peer forgotten")
-            elif cmd == "unbind":
-                for key in [k for k in self._eps if k[0] == arg]:
-                    self._drop_peer(key, "session unbound")
-
-    # producer ----------------------------------------------------------------------------------
-    def _on_connect(self, conn_request: Any) -> None:
-        """Listener callback (runs inside progress on the service thread)."""
-        try:
-            ep = self._listener.create_endpoint_from_conn_request(conn_request, self._eh)
-        except Exception as exc:  # noqa: BLE001
-            _log.warning("ucx plane %s: cannot accept a connection: %s", self.node_id, exc)
-            return
-        conn = _Conn(ep)
-        self._conns.append(conn)
-        self._post_am(conn)
-
-    def _post_am(self, conn: _Conn) -> None:
-        try:
-            conn.am = conn.ep.am_recv()
-        except Exception as exc:  # noqa: BLE001
-            _log.debug("ucx plane: am_recv failed, dropping connection: %s", exc)
-            conn.am = None
-
-    def _poll_producer(self) -> None:
-        for conn in list(self._conns):
-            if conn.am is None:
-                self._conns.remove(conn)
-                self._close_ep(conn.ep)
-                continue
-            if not conn.am.completed:
-                continue
-            req, conn.am = conn.am, None
-            try:
-                req.check_error()
-                data = bytes(memoryview(req.recv_buffer))
-            except Exception as exc:  # noqa: BLE001 - the consumer went away
-                _log.debug("ucx plane: connection ended: %s", exc)
-                self._conns.remove(conn)
-                self._close_ep(conn.ep)
-                continue
-            self._serve(conn, data)
-            self._post_am(conn)
-        for s in list(self._served):
-            if not all(r.completed for r in s.reqs):
-                continue
-            self._served.remove(s)
-            try:
-                for r in s.reqs:
-                    r.check_error()
-            except Exception as exc:  # noqa: BLE001 - transfer failed: no notification
-                _log.debug("ucx plane: sending a grant failed: %s", exc)
-                continue
-            if s.notif is not None:
-                self._notifs.push(s.notif)
-
-    def _serve(self, conn: _Conn, data: bytes) -> None:
-        try:
-            req = _request_decoder.decode(data)
-        except (msgspec.DecodeError, TypeError) as exc:
-            _log.warning("ucx plane %s: malformed request: %s", self.node_id, exc)
-            return  # no xid to answer on; the consumer times out
-        api, Array = self._api, self._Array
-        base = req.xid << _SEG_BITS
-        with self._lock:
-            pieces = self._grants.get(req.token)
-        segs: list[tuple[int, int]] | None = None
-        if pieces is None:
-            hdr = _header(_REFUSED, "unknown or revoked ucx grant")
-        elif sum(req.segs) != sum(n for _, n in pieces) or len(req.segs) > _MAX_SEGS or (
-                segs := split_spans(pieces, req.segs)) is None:
-            hdr = _header(_BAD, "requested segments do not match the grant")
-        else:
-            hdr = _header(_OK)
-        bufs: list[Any] = [Array(hdr)]
-        try:
-            reqs = [conn.ep.tag_send(bufs[0], api.UCXXTag(base))]
-            for i, (off, n) in enumerate(segs or (), start=1):
-                bufs.append(Array(self._mem[off : off + n]))
-                reqs.append(conn.ep.tag_send(bufs[-1], api.UCXXTag(base | i)))
-        except Exception as exc:  # noqa: BLE001 - endpoint broke
-            _log.debug("ucx plane: posting sends failed: %s", exc)
-            return
-        self._served.append(_Served(conn, reqs, bufs, req.notif if segs is not None else None))
-
-    # consumer ----------------------------------------------------------------------------------
-    def _start(self, t: _Transfer) -> None:
-        api, Array = self._api, self._Array
-        if t.state is not XferState.PROC:  # released before it started
-            self._finish(t, t.state)
-            return
-        try:
-            ep = self._eps.get(t.peer)
-            if ep is None:
-                ep = api.UCXEndpoint.create(self._worker, t.addr, t.peer[2], self._eh)
-                self._eps[t.peer] = ep
-            t.hdr_req = ep.tag_recv(Array(t.hdr), api.UCXXTag(t.xid << _SEG_BITS))
-            msg = msgspec.msgpack.encode(UcxRequest(t.token, t.xid, t.notif, t.segs))
-            t.msg = Array(np.frombuffer(msg, np.uint8).copy())
-            t.reqs = [ep.am_send(t.msg)]
-        except Exception as exc:  # noqa: BLE001 - cannot reach the producer
-            self._drop_peer(t.peer, f"connect: {exc}")
-            self._finish(t, XferState.ERR, f"cannot reach {t.addr}:{t.peer[2]}: {exc}")
-            return
-        self._live.append(t)
-
-    def _poll_consumer(self) -> None:
-        now = time.monotonic()
-        for t in list(self._live):
-            if t.state is not XferState.PROC:
-                continue  # aborted: handled by _abort
-            try:
-                if not t.posted and t.hdr_req.completed:
-                    t.hdr_req.check_error()
-                    status, detail = _parse_header(t.hdr)
-                    if status != _OK:
-                        self._finish(t, XferState.ERR, f"producer refused: {detail}")
-                        continue
-                    self._post_segments(t)
-                if t.posted and all(r.completed for r in t.reqs):
-                    for r in t.reqs:
-                        r.check_error()
-                    self._finish(t, XferState.DONE)
-                    continue
-            except Exception as exc:  # noqa: BLE001 - endpoint error, cancel, truncation
-                self._fail_peer(t, f"transfer failed: {exc}")
-                continue
-            if now > t.deadline:
-                self._fail_peer(t, f"no data after {self._timeout_s} s")
-
-    def _post_segments(self, t: _Transfer) -> None:
-        api, Array = self._api, self._Array
-        ep = self._eps[t.peer]
-        base = t.xid << _SEG_BITS
-        t.reqs = [ep.tag_recv(Array(v), api.UCXXTag(base | i))
-                  for i, v in enumerate(t.views, start=1)]
-        t.posted = True
-
-    def _fail_peer(self, t: _Transfer, why: str) -> None:
-        """ERR ``t``; if receives into the region are posted, close its endpoint (cancels them)."""
-        t.state, t.detail = XferState.ERR, why
-        if t.posted or t.hdr_req is None or not t.hdr_req.completed:
-            self._drop_peer(t.peer, why)
-        else:
-            self._finish(t, XferState.ERR, why)
-
-    def _abort(self, t: _Transfer) -> None:
-        if t in self._live and not t.done.is_set():
-            self._fail_peer(t, t.detail or "aborted")
-        else:
-            t.done.set()
-
-    def _drop_peer(self, key: Key, why: str) -> None:
-        ep = self._eps.pop(key, None)
-        if ep is not None:
-            self._close_ep(ep)
-        for t in [t for t in self._live if t.peer == key]:
-            self._finish(t, XferState.ERR, why)
-
-    def _finish(self, t: _Transfer, state: XferState, detail: str = "") -> None:
-        if t.state is XferState.PROC:
-            t.state = state
-        if detail and not t.detail:
-            t.detail = detail
-        if t in self._live:
-            self._live.remove(t)
-        with self._lock:
-            self._xids.discard(t.xid)
-        t.done.set()
 
     # -- internals --------------------------------------------------------------------------------
-    def _new_xid_locked(self) -> int:
-        """A random transfer id in 1..2**44-1 not used by a transfer in flight (under _lock)."""
-        while True:
-            xid = secrets.randbits(_XID_BITS)
-            if xid and xid not in self._xids:
-                self._xids.add(xid)
-                return xid
 
     def _warn_unbound(self, grant: UcxGrant) -> None:
         if not self._warned_unbound:
@@ -777,8 +380,3 @@ class UcxPlane(DataTransport):
                 "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
                 "a compromised producer could point this consumer elsewhere (issue 17); logged "
                 "once", self.node_id, grant.host, grant.port)
-
-    def _active_transports(self) -> list[str]:
-        info = self._ctx.info
-        found = re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.MULTILINE)
-        return sorted({r.split()[-1].split("/")[0] for r in found})

@@ -1,13 +1,18 @@
 """Runtime layer and public Python API: ProducerNode / ConsumerNode drive the sans-I/O sessions
-with the ZMQ control plane and a data plane.
+with a control plane (ZeroMQ + CURVE by default) and a data plane, through one driver each
+(:class:`ProducerDriver` / :class:`ConsumerDriver`, whose ``step(now)`` a caller may run itself).
 
 Importing this package is cheap; zmq/nixl are imported when a node is constructed.
 """
 
 from ectransport.node.common import Layout, Security
-from ectransport.node.consumer import ConsumerNode, Fetched, Held, ProducerAddress
+from ectransport.node.consumer import ConsumerNode
+from ectransport.node.consumer_driver import ConsumerDriver
+from ectransport.node.fetch_session import FetchSession
 from ectransport.node.producer import ProducerNode
+from ectransport.node.producer_driver import ProducerDriver
+from ectransport.node.results import Fetched, Held, ProducerAddress
 from ectransport.session import Miss, MissReason
 
-__all__ = ["ConsumerNode", "Fetched", "Held", "Layout", "Miss", "MissReason", "ProducerAddress",
-           "ProducerNode", "Security"]
+__all__ = ["ConsumerDriver", "ConsumerNode", "FetchSession", "Fetched", "Held", "Layout", "Miss",
+           "MissReason", "ProducerAddress", "ProducerDriver", "ProducerNode", "Security"]

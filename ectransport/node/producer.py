@@ -6,8 +6,9 @@
     ...
     node.close()
 
-One background thread drives the sans-I/O :class:`ProducerSession` with the ZMQ control server
-and the data plane(s). ``put`` may be called from any thread.
+One background thread runs the :class:`ProducerDriver`, which drives the sans-I/O
+:class:`ProducerSession` with the control server (ZeroMQ + CURVE unless ``control=`` is given) and
+the data plane(s). ``put`` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ectransport.control.base import ControlServer, Down, PeerId, Received
-from ectransport.data.base import DataTransport, TransferModel, identity_of
+from ectransport.control.base import ControlServer, PeerId
+from ectransport.data.base import DataTransport, TransferModel
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
-from ectransport.protocol import SUPPORTED_VERSIONS
-from ectransport.session import Command, ProducerConfig, ProducerSession, Revoke, Send
+from ectransport.node.driver import Observers, close_all, load_planes
+from ectransport.node.producer_driver import ProducerDriver, ServingSession
+from ectransport.session import ProducerConfig, ProducerSession
+from ectransport.settings_schema import API
 from ectransport.store import AllocFailed, BlockRegion, BlockStore, Entry
 
 log = logging.getLogger("ectransport.node.producer")
 
+#: How long the I/O thread waits for control events per step, seconds.
+_POLL_S = 0.02
 _WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 
@@ -99,53 +104,48 @@ class ProducerNode:
         self,
         *,
         layout: Layout = Layout(),
-        region_bytes: int = 256 << 20,
-        host: str = "127.0.0.1",
-        port: int = 0,
+        region_bytes: int = API.producer.region_bytes,
+        host: str = API.producer.host,
+        port: int = API.producer.port,
         security: Security,
-        planes: tuple[str, ...] = ("nixl",),
-        lease_s: float = 30.0,
-        budget_bytes: int | None = None,
-        grace_s: float = 5.0,
-        node_id: str | None = None,
-        versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+        planes: tuple[str, ...] = API.node.planes,
+        lease_s: float = API.producer.lease_s,
+        budget_bytes: int | None = API.producer.budget_bytes,
+        grace_s: float = API.producer.grace_s,
+        node_id: str | None = API.node.node_id,
+        versions: tuple[int, ...] = API.node.versions,
         region: BlockRegion | None = None,
         plane_options: Mapping[str, Mapping[str, Any]] | None = None,
         control_options: Mapping[str, Any] | None = None,
-        advertise_host: str | None = None,
+        advertise_host: str | None = API.producer.advertise_host,
         observer: Callable[[str, dict[str, Any]], None] | None = None,
         control: ControlServer | None = None,
     ):
-        self._observers: list[Callable[[str, dict[str, Any]], None]] = \
-            [observer] if observer is not None else []
-
+        self._observers = Observers(observer)
         self.layout = layout
         self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
-        self._own_region = region is None
+        own_region = region is None
         self.region = region_for(layout, region_bytes, region)
         self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
-        self._control: ControlServer | None = None  # set below; None only if __init__ fails
         self._allow = None
+        built: ControlServer | None = None
         try:
-            for name in planes:
-                cls = load_plane(name)
-                opts = _hosted_plane_options(name, cls.capabilities.address_options,
-                                             dict((plane_options or {}).get(name, {})),
-                                             host, advertise_host)
-                self._planes[name] = cls(
-                    node_id=self.node_id, region=self.region,
-                    identity=identity_of(security.public_key), **opts)
+            self._planes = load_planes(
+                tuple(planes), node_id=self.node_id, region=self.region,
+                public_key=security.public_key, plane_options=plane_options, loader=load_plane,
+                adjust=lambda name, cls, opts: _hosted_plane_options(
+                    name, cls.capabilities.address_options, opts, host, advertise_host))
             allow = None
             if security.allow_dir or security.allow:
                 from ectransport.control.keys import AllowList
 
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
             self._allow = allow
-            self._control = control if control is not None else self._make_control(
+            built = control if control is not None else self._make_control(
                 host, port, security, allow, dict(control_options or {}))
         except BaseException:
-            self._close_resources()
+            close_all(built, self._planes, self.region if own_region else None)
             raise
         self.public_key = security.public_key
         self.session = self._make_session(
@@ -153,8 +153,12 @@ class ProducerNode:
                            planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes, grace_s=grace_s,
                            versions=tuple(versions)))
-        self._lock = threading.Lock()
+        self.driver = ProducerDriver(self.session, built, self._planes, self.region,
+                                     own_region=own_region, observers=self._observers)
+        self._control: ControlServer = built
+        self._lock = self.driver.lock
         self._stop = threading.Event()
+        self._closed = False
         self._thread: threading.Thread | None = None
 
     # -- construction hooks (a wire-compatibility profile overrides these) -----------------------
@@ -167,11 +171,11 @@ class ProducerNode:
                                 public_key=security.public_key, allow=allow,
                                 insecure=security.insecure, **options)
 
-    def _make_session(self, config: ProducerConfig) -> ProducerSession:
+    def _make_session(self, config: ProducerConfig) -> ServingSession:
         """The sans-I/O session the loop drives (same event/command interface for any profile)."""
         planes = self._planes
         return ProducerSession(config, self.store, {n: p.describe for n, p in planes.items()},
-                               observer=self._observe,
+                               observer=self._observers,
                                reachable=lambda name, loc: planes[name].reachable(loc),
                                endpoint=lambda name: planes[name].endpoint(),
                                revocable=lambda name: planes[name].capabilities.transfer_model
@@ -181,17 +185,15 @@ class ProducerNode:
     # -- public API ----------------------------------------------------------------------------
     @property
     def host(self) -> str:
-        assert self._control is not None
         return self._control.host
 
     @property
     def port(self) -> int:
-        assert self._control is not None
         return self._control.port
 
     def plane_transports(self) -> dict[str, str]:
         """Plane name → what it runs on underneath (e.g. the UCX transports)."""
-        return {n: p.describe_transport() for n, p in self._planes.items()}
+        return self.driver.plane_transports()
 
     def plane(self, name: str) -> DataTransport:
         """The data plane ``name`` this node serves on (its endpoint, counters, capabilities;
@@ -324,15 +326,18 @@ class ProducerNode:
             self._allow.reload()
 
     def stats(self) -> dict[str, int]:
+        """Counters and gauges of the serving session and the store (any thread)."""
         with self._lock:
-            return {**self.session.stats, "active_grants": self.session.active_grants,
-                    "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
-                    "free_blocks": self.store.free_blocks}
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict[str, int]:
+        return {**self.session.stats, "active_grants": self.session.active_grants,
+                "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
+                "free_blocks": self.store.free_blocks}
 
     def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
         """Also tell ``observer`` what happens (see the ``observer`` argument)."""
-        with self._lock:
-            self._observers.append(observer)
+        self._observers.add(observer)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a metrics exporter reads, in one consistent copy (any thread).
@@ -343,9 +348,7 @@ class ProducerNode:
         ``planes`` (plane name → transport underneath), ``region_bytes``.
         """
         with self._lock:
-            stats = {**self.session.stats, "active_grants": self.session.active_grants,
-                     "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
-                     "free_blocks": self.store.free_blocks}
+            stats = self._stats_locked()
             nacks = {st.name: n for st, n in self.session.nacks.items()}
             pinned = self.session.pinned_by_identity()
         c = self._control
@@ -357,15 +360,15 @@ class ProducerNode:
 
     def close(self) -> None:
         """Stop serving, release every grant, close planes and sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
-        if self._control is not None:
-            self._control.wake()
+        self._control.wake()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
-        with self._lock:
-            self.session.close()  # planes close next: nothing left to revoke on them
-        self._close_resources()
+        self.driver.close()
 
     def __enter__(self) -> ProducerNode:
         return self.start()
@@ -375,55 +378,14 @@ class ProducerNode:
 
     # -- loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        control = self._control
-        assert control is not None
-        last_sweep = 0.0
         while not self._stop.is_set():
             try:
-                events = control.poll(0.02)
-                cmds: list[Command] = []
-                with self._lock:
-                    now = time.monotonic()
-                    for ev in events:
-                        if isinstance(ev, Received):
-                            cmds += self.session.on_frame(ev.source, ev.data, now,
-                                                          user=ev.source.user)
-                        elif isinstance(ev, Down):
-                            cmds += self.session.on_peer_down(ev.source, now)
-                self._perform(cmds)  # answers first: the consumer waits for them
-                cmds = []
-                with self._lock:
-                    for plane in self._planes.values():
-                        for notif in plane.poll_notifications():
-                            cmds += self.session.on_notification(notif, now)
-                    if now - last_sweep > 0.05:
-                        cmds += self.session.poll(now)
-                        last_sweep = now
-                self._perform(cmds)
+                self.driver.step(wait_s=_POLL_S)
             except ECTransportError:
                 log.exception("producer loop error (continuing)")
             except Exception:
                 log.exception("unexpected producer loop error (continuing)")
-                time.sleep(0.01)
-
-    def _perform(self, cmds: list[Command]) -> None:
-        """Carry out the session's commands on the I/O thread (sends, grant revocations)."""
-        control = self._control
-        assert control is not None
-        for c in cmds:
-            if isinstance(c, Send):
-                control.send(c.peer, c.data)
-            elif isinstance(c, Revoke):
-                plane = self._planes.get(c.plane)
-                if plane is not None:
-                    plane.revoke(c.plane_grant)
-
-    def _observe(self, event: str, fields: dict[str, Any]) -> None:
-        for obs in self._observers:
-            try:
-                obs(event, fields)
-            except Exception:
-                log.exception("observer failed on %s (ignored)", event)
+                time.sleep(0.01)  # not a busy loop if the error repeats
 
     def _check_tensor(self, tensor: object) -> None:
         """Accept ``[num_tokens, hidden]`` of the layout dtype, or raw uint8 rows of block_bytes."""
@@ -437,12 +399,3 @@ class ProducerNode:
                               f"shape {shape} {dtype}")
         if not raw and dtype != self.layout.dtype:
             raise ConfigError(f"expected dtype {self.layout.dtype}, got {dtype}")
-
-    def _close_resources(self) -> None:
-        if self._control is not None:
-            self._control.close()
-        for p in self._planes.values():
-            p.close()
-        self._planes.clear()
-        if self._own_region:
-            self.region.close()

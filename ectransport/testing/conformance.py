@@ -67,17 +67,17 @@ What is checked (each test bounded by ``deadline_s`` and cleaning up after itsel
 Transfers are driven as the nodes drive them: ``describe`` on the producer, then
 ``start``/``check``/``release`` on the consumer, ``poll_notifications`` and ``revoke`` on the
 producer.
+
+Helpers usable on their own live in :mod:`ectransport.testing.helpers` (patterns, waits,
+:class:`~ectransport.testing.helpers.Pair`) and :mod:`ectransport.testing.imports` (the import
+check); this module re-exports them.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import msgspec
@@ -96,200 +96,40 @@ from ectransport.plugin import (
     Run,
     TransferModel,
     XferState,
-    identity_of,
 )
 from ectransport.store import HostRegion
+from ectransport.testing.helpers import (
+    CONSUMER_IDENTITY,
+    OTHER_PRODUCER_IDENTITY,
+    PRODUCER_IDENTITY,
+    SENTINEL,
+    KiB,
+    MiB,
+    Pair,
+    Transfer,
+    assert_same,
+    blocks_for,
+    gaps,
+    notif_arrives,
+    pattern,
+    read_runs,
+    untouched_outside,
+    wait_notifs,
+    wait_state,
+)
+from ectransport.testing.imports import (
+    PUBLIC_MODULE,
+    ectransport_imports,
+    package_files,
+    private_imports,
+)
 
-KiB = 1024
-MiB = 1024 * KiB
-SENTINEL = 0xEE  # the consumer region's bytes before any transfer
-#: identities of the kit's nodes (``identity_of`` of made-up Z85 CURVE public keys)
-PRODUCER_IDENTITY = identity_of("conformance-producer-A".ljust(40, "a"))
-OTHER_PRODUCER_IDENTITY = identity_of("conformance-producer-B".ljust(40, "b"))
-CONSUMER_IDENTITY = identity_of("conformance-consumer".ljust(40, "c"))
-
-
-# -- helpers (usable on their own) -----------------------------------------------------------------
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Deterministic pseudo-random ``uint8`` bytes, every 8-byte word distinct (so a misplaced
-    block shows); cheap enough for 64 MiB on a loaded machine."""
-    start = ((seed & 0xFFFFF) << 40) + 1
-    words = np.arange(start, start + nbytes // 8 + 1, dtype=np.uint64)
-    words *= np.uint64(0x9E3779B97F4A7C15)
-    words ^= words >> np.uint64(29)
-    return words.view(np.uint8)[:nbytes]
-
-
-def assert_same(got: np.ndarray, want: np.ndarray) -> None:
-    """Byte equality, naming the first differing offset (cheaper than numpy.testing)."""
-    assert got.nbytes == want.nbytes, f"{got.nbytes} bytes, expected {want.nbytes}"
-    if not np.array_equal(got, want):
-        first = int(np.flatnonzero(got != want)[0])
-        raise AssertionError(f"bytes differ from offset {first} (of {want.nbytes})")
-
-
-def read_runs(region: HostRegion, runs: Sequence[Run], nbytes: int) -> np.ndarray:
-    """A copy of the first ``nbytes`` bytes of ``runs`` (0 bytes allowed)."""
-    views = region.view(list(runs), nbytes)
-    return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
-
-
-def gaps(region: HostRegion, runs: Sequence[Run]) -> list[tuple[int, int]]:
-    """``(offset, length)`` of every byte range of ``region`` outside ``runs`` (whole blocks)."""
-    out, pos = [], 0
-    for r in sorted(runs, key=lambda r: r.start):
-        if r.start * region.block_bytes > pos:
-            out.append((pos, r.start * region.block_bytes - pos))
-        pos = max(pos, (r.start + r.count) * region.block_bytes)
-    if pos < region.nbytes:
-        out.append((pos, region.nbytes - pos))
-    return out
-
-
-def untouched_outside(region: HostRegion, runs: Sequence[Run], value: int = SENTINEL) -> bool:
-    """Whether every byte of ``region`` outside ``runs`` still equals ``value``."""
-    return all(bool((region.buf[off:off + n] == value).all()) for off, n in gaps(region, runs))
-
-
-def wait_state(plane: DataTransport, handle: Any, timeout_s: float) -> XferState:
-    """Poll ``check`` until not PROC or ``timeout_s`` passed; the last state."""
-    end = time.monotonic() + timeout_s
-    while (state := plane.check(handle)) is XferState.PROC and time.monotonic() < end:
-        time.sleep(0.0005)
-    return state
-
-
-def wait_notifs(plane: DataTransport, want: int, timeout_s: float) -> list[bytes]:
-    """Notifications of ``plane`` until ``want`` arrived or ``timeout_s`` passed."""
-    got: list[bytes] = []
-    end = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < end:
-        got += plane.poll_notifications()
-        time.sleep(0.001)
-    return got
-
-
-def notif_arrives(plane: DataTransport, notif: bytes, timeout_s: float) -> bool:
-    """Whether ``notif`` shows up among ``plane``'s notifications within ``timeout_s`` (others,
-    e.g. late ones of cancelled transfers, are dropped)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if notif in plane.poll_notifications():
-            return True
-        time.sleep(0.001)
-    return False
-
-
-#: The module plugins import (everything else of ectransport is internal).
-PUBLIC_MODULE = "ectransport.plugin"
-
-
-def ectransport_imports(source: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of every import in ``source`` (Python text) of an ectransport module
-    other than :data:`PUBLIC_MODULE`: ``import ectransport.x``, ``from ectransport.x import y``,
-    ``from ectransport import x`` (x not ``plugin``), ``import ectransport``. Relative imports
-    and strings are not imports; ``importlib.import_module`` calls are not seen.
-
-    Raises:
-        SyntaxError: ``source`` is not Python.
-    """
-    def private(module: str) -> bool:
-        return module == "ectransport" or (module.startswith("ectransport.")
-                                           and module != PUBLIC_MODULE)
-
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if private(a.name)]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "ectransport":
-                out += [(node.lineno, f"ectransport.{a.name}") for a in node.names
-                        if f"ectransport.{a.name}" != PUBLIC_MODULE]
-            elif private(node.module):
-                out.append((node.lineno, node.module))
-    return out
-
-
-def package_files(package: str) -> list[Path]:
-    """The ``.py`` files of an importable package (or the one file of a module), sorted.
-
-    Raises:
-        ModuleNotFoundError: no such package.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        raise ModuleNotFoundError(f"no package {package!r}")
-    if spec.submodule_search_locations:
-        return sorted(p for d in spec.submodule_search_locations for p in Path(d).rglob("*.py"))
-    return [Path(spec.origin)] if spec.origin else []
-
-
-def private_imports(package: str) -> list[str]:
-    """``"path:line: module"`` for every import of ectransport internals (anything but
-    :data:`PUBLIC_MODULE`, see :func:`ectransport_imports`) in the source of ``package``.
-
-    Raises:
-        ModuleNotFoundError: no such package.
-    """
-    return [f"{path}:{line}: {module}" for path in package_files(package)
-            for line, module in ectransport_imports(path.read_text())]
-
-
-def blocks_for(nbytes: int, block_bytes: int) -> int:
-    return max(1, -(-nbytes // block_bytes))
-
-
-@dataclass
-class Transfer:
-    """One transfer driven through the contract (see :meth:`Pair.begin`)."""
-
-    grant: bytes
-    handle: Any
-    prod_runs: list[Run]
-    cons_runs: list[Run]
-    nbytes: int
-    data: np.ndarray
-    notif: bytes
-
-
-@dataclass
-class Pair:
-    """A producer plane and a consumer plane, each over its own region."""
-
-    producer: DataTransport
-    consumer: DataTransport
-    prod_region: HostRegion
-    cons_region: HostRegion
-    deadline_s: float
-    extra: list[DataTransport] = field(default_factory=list)
-    #: the consumer's ``bind_peer`` result for the producer (``start``'s ``prepared``)
-    binding: Any = None
-
-    def begin(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int, seed: int,
-              notif: bytes | None = None, grant: bytes | None = None) -> Transfer:
-        """Write a pattern into the producer's runs and start moving it, as the nodes do."""
-        data = pattern(nbytes, seed)
-        self.prod_region.write(list(prod_runs), data)
-        notif = f"notif-{seed}".encode() if notif is None else notif
-        if grant is None:
-            grant = self.producer.describe(list(prod_runs), nbytes)
-        handle = self.consumer.start(self.binding, grant, list(cons_runs), nbytes, notif)
-        return Transfer(grant, handle, list(prod_runs), list(cons_runs), nbytes, data, notif)
-
-    def finish(self, t: Transfer) -> XferState:
-        """Wait for ``t`` (bounded), release its handle, return the consumer's final state."""
-        try:
-            return wait_state(self.consumer, t.handle, self.deadline_s)
-        finally:
-            self.consumer.release(t.handle)
-
-    def round_trip(self, prod_runs: Sequence[Run], cons_runs: Sequence[Run], nbytes: int,
-                   seed: int, grant: bytes | None = None) -> Transfer:
-        """A complete transfer; asserts DONE and equal bytes."""
-        t = self.begin(prod_runs, cons_runs, nbytes, seed, grant=grant)
-        assert self.finish(t) is XferState.DONE, "transfer did not complete"
-        assert_same(read_runs(self.cons_region, cons_runs, nbytes), t.data)
-        return t
+__all__ = [
+    "CONSUMER_IDENTITY", "OTHER_PRODUCER_IDENTITY", "PRODUCER_IDENTITY", "PUBLIC_MODULE",
+    "SENTINEL", "KiB", "MiB", "Pair", "PlaneConformance", "Transfer", "assert_same",
+    "blocks_for", "ectransport_imports", "gaps", "notif_arrives", "package_files", "pattern",
+    "private_imports", "read_runs", "untouched_outside", "wait_notifs", "wait_state",
+]
 
 
 class PlaneConformance:

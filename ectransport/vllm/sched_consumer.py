@@ -48,6 +48,8 @@ class _Fetch:
     nbytes: int
     give_up: float
     waiters: set[str] = field(default_factory=set)
+    started: float = 0.0  # scheduler clock when the fetch was submitted (s)
+    steps: int = 0  # scheduler steps it stayed in flight
 
 
 @dataclass
@@ -81,11 +83,8 @@ class ConsumerSide:
         self.part = part
         self.keys = ProducerKeys(settings)
         self.expected_load_reports = max(1, expected_load_reports)
-        self.node = ConsumerNode(
-            layout=layout, security=security, planes=settings.planes,
-            ack_timeout_s=settings.ack_timeout_s, read_timeout_s=settings.read_timeout_s,
-            quarantine_s=settings.quarantine_s, fetch_timeout_s=settings.fetch_timeout_s,
-            node_id=node_id, versions=settings.versions, region=part)
+        self.node = ConsumerNode(layout=layout, security=security, node_id=node_id, region=part,
+                                 **settings.consumer_node_kwargs())
         self._fetches: dict[str, _Fetch] = {}
         self._landed: dict[str, _Landed] = {}
         self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally
@@ -196,7 +195,8 @@ class ConsumerSide:
         addr = ProducerAddress(str(info["peer_host"]), int(info["peer_port"]), key)
         future = self.node.submit_held(addr, mm_hash, timeout_s=self.settings.fetch_timeout_s)
         self._fetches[mm_hash] = _Fetch(future, nbytes,
-                                        now + self.settings.fetch_timeout_s + _GRACE_S, {rid})
+                                        now + self.settings.fetch_timeout_s + _GRACE_S, {rid},
+                                        started=now)
         log.debug("EC consumer: fetching %s (%d bytes) from %s", mm_hash, nbytes, addr.key)
         return True
 
@@ -221,7 +221,9 @@ class ConsumerSide:
             else:
                 self.outcomes["landed"] += 1
                 self._landed[mm_hash] = _Landed(out, set(f.waiters))
-                log.debug("EC consumer: %s landed (%d bytes, %s)", mm_hash, out.nbytes, out.plane)
+                log.debug("EC consumer: %s landed (%d bytes, %s); seen %.3f ms after the fetch "
+                          "started, %d scheduler step(s) later", mm_hash, out.nbytes, out.plane,
+                          (now - f.started) * 1e3, f.steps)
         else:
             self._fall_back(f.waiters, mm_hash, f"miss:{out.reason.value}")
             log.info("EC consumer: fetch of %s missed (%s: %s); computing locally", mm_hash,
@@ -252,7 +254,7 @@ class ConsumerSide:
     def take_orders(self, now: float) -> list[LoadOrder]:
         """This step's load orders; also settles finished fetches and expired load pins."""
         for mm_hash, f in list(self._fetches.items()):
-            self._settle(mm_hash, f, now)
+            f.steps += not self._settle(mm_hash, f, now)
         for tid, load in list(self._loads.items()):
             if now >= load.give_up:
                 log.warning("EC consumer: load %d of %s not reported by every rank within "

@@ -54,10 +54,10 @@ class ProducerSide:
         self.marks = marks
         self._free_slots: list[int] = list(range(marks.mark_slots)) if marks is not None else []
         self._cooling: list[tuple[float, int]] = []  # slots of dropped saves, free after a while
-        self.node = ProducerNode(
-            layout=layout, host=settings.host, port=settings.port, security=security,
-            planes=settings.planes, lease_s=settings.lease_s, budget_bytes=settings.budget_bytes,
-            node_id=node_id, versions=settings.versions, region=part).start()
+        # every producer setting through the mapping `ectransport serve` uses (advertise_host
+        # was once left out here: a wildcard host could not serve the tcp/ucx planes)
+        self.node = ProducerNode(layout=layout, security=security, node_id=node_id, region=part,
+                                 **settings.producer_node_kwargs()).start()
         self._reserved: dict[str, SaveOrder] = {}  # reserved, not yet dispatched
         self._saving: dict[str, tuple[int, float, int]] = {}  # dispatched: entry_id, give-up, slot
         self._drops: list[tuple[str, int]] = []

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ectransport.errors import ConfigError
@@ -45,6 +46,23 @@ def expected_load_reports(vllm_config: Any) -> int:
     if getattr(pc, "distributed_executor_backend", None) != "mp":
         return 1
     return int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+
+
+def item_metadata(vllm_config: Any) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+    """vLLM's own per-item entries of ``ec_transfer_params`` (``metadata``: the processed fields a
+    consumer needs to size an item it receives as a metadata-only reference, e.g. Qwen2-VL's
+    ``image_grid_thw``; ``item_indices``), as vLLM's connectors report them from
+    ``request_finished``. vLLM's EPD proxy rewrites the consumer's request from them. None where
+    the installed vLLM has no such helper (then only our transfer fields are announced)."""
+    try:
+        from vllm.distributed.ec_transfer.ec_connector.utils import (
+            PlaceholderMetadataResolver,
+            collect_ec_item_metadata,
+        )
+    except ImportError:
+        return None
+    resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+    return lambda features: collect_ec_item_metadata(list(features or ()), resolver)
 
 
 def security_for(settings: Settings, producer: bool) -> Security:
@@ -79,6 +97,7 @@ class SchedulerDelegate:
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
         self.local: LocalTier | None = None
+        self._item_metadata = item_metadata(vllm_config) if producer else None
         try:
             first = 0
             if producer:
@@ -190,7 +209,18 @@ class SchedulerDelegate:
             self.consumer.on_finished(request)
         if self.producer is None:
             return False, None
-        return False, (self.producer.announce(request) or None)
+        items = self.producer.announce(request)
+        if items and self._item_metadata is not None:
+            try:
+                vllm_items = self._item_metadata(request.mm_features)
+            except Exception:  # noqa: BLE001 - vLLM's metadata is optional; ours is complete
+                log.warning("EC producer: vLLM's item metadata for %s failed; announcing the "
+                            "transfer fields only", request.request_id, exc_info=True)
+                vllm_items = {}
+            for mm_hash, theirs in vllm_items.items():
+                if mm_hash in items:
+                    items[mm_hash] = {**theirs, **items[mm_hash]}
+        return False, (items or None)
 
     def take_unavailable_requests(self) -> set[str]:
         return self.consumer.take_unavailable() if self.consumer is not None else set()

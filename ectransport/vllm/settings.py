@@ -1,6 +1,11 @@
 """Settings of the vLLM connector, read from ``ec_transfer_config.ec_connector_extra_config``.
 
-vLLM passes that dict through untouched (no type coercion), so every key is checked here: an
+Every key is a setting of :mod:`ectransport.settings_schema` under a public name of its own
+(the table in :class:`Settings`): its type, range, default and meaning come from there, so
+the connector, the CLI and the Python API cannot drift apart. The one deliberate difference —
+``fetch_timeout_s`` is 10 s here, 30 s elsewhere — is declared at that field, with the reason.
+
+vLLM passes the dict through untouched (no type coercion), so every key is checked here: an
 unknown key, a wrong type or an out-of-range value raises :class:`~ectransport.errors.ConfigError`
 naming the key, what was expected and what was found. Nothing in this module imports vLLM.
 
@@ -16,80 +21,117 @@ naming the key, what was expected and what was found. Nothing in this module imp
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import ipaddress
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from msgspec import inspect as mi
+
+from ectransport import settings_schema as schema
 from ectransport.errors import ConfigError
-from ectransport.protocol import SUPPORTED_VERSIONS
 
 #: The value of ``producer_keys`` that trusts the key a producer announced in ec_transfer_params.
 ANNOUNCED = "announced"
+_WHERE = "ec_connector_extra_config"
+
+
+class _Key:
+    """One public key of the connector: the schema setting it sets and the roles that read it."""
+
+    def __init__(self, path: str, role: str, note: str = ""):
+        self.path = tuple(path.split("."))
+        self.role = role
+        self.note = note
+
+    @property
+    def leaf(self) -> schema.Leaf:
+        return (schema.VLLM_LEAVES if self.path[0] == "vllm" else schema.LEAVES)[self.path]
+
+    @property
+    def default(self) -> Any:
+        """The connector's default: the schema's, with its deliberate vLLM difference."""
+        return self.leaf.default_for("vllm")
+
+
+def key(path: str, role: str, note: str = "") -> Any:
+    """A public key (a dataclass field) of :class:`Settings`: the schema setting at ``path``
+    (``vllm.*``: :class:`~ectransport.settings_schema.VllmSettings`), read by ``role``; ``note``:
+    what the connector adds to the setting's description. Its default is the schema's."""
+    k = _Key(path, role, note)
+    return field(default=k.default, metadata={"key": k})
+
+
+_NO_MODEL_CONFIG = "required when vLLM runs without a model config"
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Validated connector settings (units in the names; defaults in brackets).
+    """Validated connector settings: one field per ``ec_connector_extra_config`` key.
 
-    Attributes:
-        region_bytes: size of the shared host region [1 GiB]; an ``ec_both`` node gives half to
-            served entries and half to fetched ones. Rounded down to whole blocks (rows).
-        host / port: producer: where the control plane listens [127.0.0.1, 0 = any free port;
-            the port actually bound is what ``ec_transfer_params`` announce].
-        advertise_host: producer: the host announced to consumers [``host``; required when
-            ``host`` is a wildcard such as 0.0.0.0].
-        secret_key_file: this node's CURVE key pair (``ectransport keys generate``); required
-            unless ``insecure``.
-        allow_dir: producer: directory of admitted consumer public keys (``*.key``); required for
-            a non-loopback bind.
-        producer_keys: consumer: trusted producer public keys, each a Z85 key, a ``.key`` file or
-            a directory of them; or ``"announced"`` to trust the ``public_key`` that comes in
-            ec_transfer_params. Required for a consumer unless ``insecure``.
-        planes: data planes, best first [``["nixl"]``].
-        versions: ECTP versions spoken [all supported].
-        lease_s / budget_bytes: producer pin lease and per-consumer pinned-bytes budget.
-        ack_timeout_s / read_timeout_s / quarantine_s: consumer transfer deadlines.
-        fetch_timeout_s: consumer: the longest a request waits for one feature before it is
-            computed locally [10 s].
-        save_timeout_s: producer: a reserved save not reported by the worker by then is given
-            up [60 s]. load_timeout_s: consumer: a load pin not released by every rank by then is
-            released anyway [60 s].
-        insecure: plain ZMQ without CURVE (loud warning; loopback testing only) [false].
-        model_id / dtype / hidden: override what is read from the model config (required when
-            vLLM runs without a model config); they define the compatibility hash and the layout.
-        shm_dir: where the shared region file lives [/dev/shm].
-        local_cache: an instance that saves (``ec_producer``, ``ec_both``) takes a repeated item
-            from its own region instead of running the encoder again [true].
+    A frozen dataclass: ``Settings(insecure=True, planes=("tcp",))`` and
+    ``dataclasses.replace(s, lease_s=3)`` check every value against the schema (type, range,
+    supported versions) and raise :class:`~ectransport.errors.ConfigError` naming the key; the
+    role checks (keys required unless ``insecure``, ``advertise_host`` for a wildcard bind) are
+    :func:`parse_settings`'s. ``common`` holds the keys shared with the rest of ectransport as a
+    :class:`~ectransport.settings_schema.Settings` (its other fields at the connector's defaults,
+    ``settings_schema.VLLM``), ``vllm`` the connector-only ones. Defaults, units and meanings:
+    ``docs/vllm.md`` (generated by :func:`settings_table`).
     """
 
-    region_bytes: int = 1 << 30
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    secret_key_file: str | None = None
-    allow_dir: str | None = None
-    producer_keys: tuple[str, ...] = ()
-    planes: tuple[str, ...] = ("nixl",)
-    versions: tuple[int, ...] = SUPPORTED_VERSIONS
-    lease_s: float = 30.0
-    budget_bytes: int | None = None
-    ack_timeout_s: float = 2.0
-    read_timeout_s: float = 20.0
-    quarantine_s: float = 60.0
-    fetch_timeout_s: float = 10.0
-    save_timeout_s: float = 60.0
-    load_timeout_s: float = 60.0
-    insecure: bool = False
-    model_id: str | None = None
-    dtype: str | None = None
-    hidden: int | None = None
-    shm_dir: str = "/dev/shm"
-    local_cache: bool = True
+    # public key: type for the type checker = key(setting in the schema, role that reads it)
+    region_bytes: int = key("vllm.region_bytes", "both")
+    host: str = key("producer.host", "producer")
+    port: int = key("producer.port", "producer",
+                    "the port bound is announced in ec_transfer_params")
+    advertise_host: str | None = key("producer.advertise_host", "producer",
+                                     "unset = host")
+    secret_key_file: str | None = key("security.key_file", "both",
+                                      "required unless insecure")
+    allow_dir: str | None = key("security.allow_dir", "producer")
+    producer_keys: tuple[str, ...] = key("vllm.producer_keys", "consumer",
+                                         "required unless insecure")
+    planes: tuple[str, ...] = key("node.planes", "both")
+    versions: tuple[int, ...] = key("node.versions", "both")
+    lease_s: float = key("producer.lease_s", "producer")
+    budget_bytes: int | None = key("producer.budget_bytes", "producer")
+    ack_timeout_s: float = key("consumer.ack_timeout_s", "consumer")
+    read_timeout_s: float = key("consumer.read_timeout_s", "consumer")
+    quarantine_s: float = key("consumer.quarantine_s", "consumer")
+    fetch_timeout_s: float = key("consumer.fetch_timeout_s", "consumer")
+    save_timeout_s: float = key("vllm.save_timeout_s", "producer")
+    load_timeout_s: float = key("vllm.load_timeout_s", "consumer")
+    insecure: bool = key("security.insecure", "both")
+    model_id: str | None = key("vllm.model_id", "both", _NO_MODEL_CONFIG)
+    dtype: str | None = key("vllm.dtype", "both", _NO_MODEL_CONFIG)
+    hidden: int | None = key("vllm.hidden", "both", _NO_MODEL_CONFIG)
+    shm_dir: str = key("vllm.shm_dir", "both")
+    local_cache: bool = key("vllm.local_cache", "producer, both")
+    #: the ec_connector_extra_config these settings were parsed from
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: the shared keys as schema settings (the rest at ``settings_schema.VLLM``)
+    common: schema.Settings = field(init=False, repr=False, compare=False)
+    #: the connector-only keys
+    vllm: schema.VllmSettings = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        common, vllm = schema.VLLM, schema.VllmSettings()
+        for name, k in KEYS.items():
+            value = getattr(self, name)
+            if not (type(value) is type(k.default) and value == k.default):  # defaults are valid
+                value = _NORMALIZE.get(name, _same)(check_value(name, k.leaf, value))
+                object.__setattr__(self, name, value)
+            try:
+                if k.path[0] == "vllm":
+                    vllm = schema.replace_path(vllm, k.path[1:], value)
+                else:
+                    common = schema.replace_path(common, k.path, value)
+            except ValueError as e:  # a rule of the schema (e.g. supported versions)
+                raise ConfigError(f"{_WHERE}[{name!r}]: {e}") from None
+        object.__setattr__(self, "common", common)
+        object.__setattr__(self, "vllm", vllm)
 
     @property
     def announced_host(self) -> str:
@@ -99,10 +141,31 @@ class Settings:
     def trusts_announced_keys(self) -> bool:
         return self.producer_keys == (ANNOUNCED,)
 
+    def producer_node_kwargs(self) -> dict[str, Any]:
+        """``ProducerNode`` arguments (all but ``layout``, ``security``, ``region``, ``node_id``):
+        the same mapping as ``ectransport serve``'s, so no setting can be left out."""
+        kw = self.common.producer_node_kwargs()
+        for k in ("region_bytes", "node_id", "plane_options", "control_options"):
+            del kw[k]  # region: the shared one; plane/control options: the node's defaults
+        return kw
 
-_SECONDS = ("lease_s", "ack_timeout_s", "read_timeout_s", "quarantine_s", "fetch_timeout_s",
-            "save_timeout_s", "load_timeout_s")
-_KEYS = tuple(f.name for f in dataclasses.fields(Settings) if f.name != "extra")
+    def consumer_node_kwargs(self) -> dict[str, Any]:
+        """``ConsumerNode`` arguments (all but ``layout``, ``security``, ``region``,
+        ``node_id``), as :meth:`producer_node_kwargs`."""
+        kw = self.common.consumer_node_kwargs()
+        for k in ("region_bytes", "node_id", "plane_options", "control_options",
+                  "session_options"):
+            del kw[k]
+        return kw
+
+
+#: Public key -> its :class:`_Key`, in declaration order.
+KEYS: dict[str, _Key] = {f.name: f.metadata["key"] for f in fields(Settings)
+                         if "key" in f.metadata}
+_KEYS = tuple(KEYS)
+
+
+# -- checking one value against its schema type ---------------------------------------------------
 
 
 def _type_name(v: object) -> str:
@@ -110,40 +173,95 @@ def _type_name(v: object) -> str:
 
 
 def _want(key: str, what: str, value: object) -> ConfigError:
-    return ConfigError(f"ec_connector_extra_config[{key!r}] must be {what}, "
-                       f"got {_type_name(value)}")
+    return ConfigError(f"{_WHERE}[{key!r}] must be {what}, got {_type_name(value)}")
 
 
-def _int(key: str, v: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _want(key, "an integer", v)
-    if v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ConfigError(f"ec_connector_extra_config[{key!r}] must be {rng}, got {v}")
+def _bounds(t: Any) -> tuple[Any, Any, Any, Any]:
+    return t.gt, t.ge, t.lt, t.le
+
+
+def _in_range(key: str, t: Any, v: float, unit: str) -> None:
+    gt, ge, lt, le = _bounds(t)
+    ok = math.isfinite(v) and (gt is None or v > gt) and (ge is None or v >= ge) and \
+        (lt is None or v < lt) and (le is None or v <= le)
+    if ok:
+        return
+    if unit and gt == 0 and ge is None and lt is None and le is None:
+        what = f"a positive number of {unit}"
+    elif ge is not None and le is not None and gt is None and lt is None:
+        what = f"in [{ge}, {le}]"
+    else:
+        parts = [f"> {gt}" if gt is not None else "", f">= {ge}" if ge is not None else "",
+                 f"< {lt}" if lt is not None else "", f"<= {le}" if le is not None else ""]
+        what = (f"a number of {unit} " if unit else "") + " and ".join(p for p in parts if p)
+    raise ConfigError(f"{_WHERE}[{key!r}] must be {what}, got {v}")
+
+
+def check_value(key: str, leaf: schema.Leaf, v: Any) -> Any:
+    """``v`` checked against the schema type of ``leaf`` (JSON values: no coercion but int ->
+    float and a single string for a list of strings).
+
+    Raises:
+        ConfigError: wrong type or out of range, naming ``key``.
+    """
+    if v is None and leaf.optional:
+        return None
+    t = leaf.base
+    if isinstance(t, mi.BoolType):
+        if not isinstance(v, bool):
+            raise _want(key, "true or false", v)
+        return v
+    if isinstance(t, mi.IntType):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _want(key, "an integer", v)
+        _in_range(key, t, v, "")
+        return v
+    if isinstance(t, mi.FloatType):
+        unit = "seconds" if key.endswith("_s") else ""
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _want(key, f"a number of {unit}" if unit else "a number", v)
+        _in_range(key, t, v, unit)
+        return float(v)
+    if isinstance(t, mi.LiteralType):
+        if v not in t.values:
+            raise _want(key, f"one of {list(t.values)}", v)
+        return v
+    if isinstance(t, mi.StrType):
+        if not isinstance(v, str) or not v:
+            raise _want(key, "a non-empty string", v)
+        return v
+    if isinstance(t, mi.VarTupleType) and isinstance(t.item_type, mi.StrType):
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not v or \
+                not all(isinstance(x, str) and x for x in v):
+            raise _want(key, "a non-empty list of strings", v)
+        return tuple(v)
+    if isinstance(t, mi.VarTupleType) and isinstance(t.item_type, mi.IntType):
+        if not isinstance(v, (list, tuple)) or not v or \
+                not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise _want(key, "a non-empty list of integers", v)
+        return tuple(v)
+    raise AssertionError(f"no check for the schema type of {key!r}: {t}")  # a new schema type
+
+
+def _dtype(v: str) -> str:
+    from ectransport.protocol import element_size
+
+    name = v.removeprefix("torch.")
+    try:
+        element_size(name)
+    except ValueError as e:
+        raise ConfigError(f"{_WHERE}['dtype']: {e}") from None
+    return name
+
+
+#: Connector-only normalisations after the schema check.
+_NORMALIZE: dict[str, Callable[[Any], Any]] = {"dtype": lambda v: v if v is None else _dtype(v)}
+
+
+def _same(v: Any) -> Any:
     return v
-
-
-def _seconds(key: str, v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _want(key, "a number of seconds", v)
-    if not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"ec_connector_extra_config[{key!r}] must be a positive number of "
-                          f"seconds, got {v}")
-    return float(v)
-
-
-def _str(key: str, v: object) -> str:
-    if not isinstance(v, str) or not v:
-        raise _want(key, "a non-empty string", v)
-    return v
-
-
-def _str_list(key: str, v: object) -> tuple[str, ...]:
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, str) and x for x in v):
-        raise _want(key, "a non-empty list of strings", v)
-    return tuple(v)
 
 
 def _is_wildcard(host: str) -> bool:
@@ -162,58 +280,20 @@ def parse_settings(extra: Mapping[str, Any] | None, *, producer: bool, consumer:
             wildcard bind).
     """
     extra = dict(extra or {})
-    unknown = sorted(k for k in extra if k not in _KEYS)
+    unknown = sorted(str(k) for k in extra if k not in KEYS)
     if unknown:
         hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), _KEYS, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"unknown ec_connector_extra_config key(s) for ECTransportConnector: "
+        for u in unknown:
+            close = difflib.get_close_matches(u, _KEYS, n=1)
+            hints.append(f"{u!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"unknown {_WHERE} key(s) for ECTransportConnector: "
                           f"{', '.join(hints)}; known keys: {', '.join(_KEYS)}")
-    kw: dict[str, Any] = {}
-    for key, v in extra.items():
-        if key == "region_bytes":
-            kw[key] = _int(key, v, 1)
-        elif key == "port":
-            kw[key] = _int(key, v, 0, 65535)
-        elif key in ("budget_bytes",):
-            kw[key] = None if v is None else _int(key, v, 1)
-        elif key == "hidden":
-            kw[key] = _int(key, v, 1)
-        elif key in _SECONDS:
-            kw[key] = _seconds(key, v)
-        elif key in ("insecure", "local_cache"):
-            if not isinstance(v, bool):
-                raise _want(key, "true or false", v)
-            kw[key] = v
-        elif key in ("planes", "producer_keys"):
-            kw[key] = _str_list(key, v)
-        elif key == "versions":
-            if not isinstance(v, (list, tuple)) or not v or \
-                    not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise _want(key, "a non-empty list of integers", v)
-            bad = [x for x in v if x not in SUPPORTED_VERSIONS]
-            if bad:
-                raise ConfigError(f"ec_connector_extra_config['versions'] has unsupported "
-                                  f"version(s) {bad}; supported: {list(SUPPORTED_VERSIONS)}")
-            kw[key] = tuple(v)
-        elif key == "dtype":
-            from ectransport.protocol import element_size
-
-            name = _str(key, v).removeprefix("torch.")
-            try:
-                element_size(name)
-            except ValueError as e:
-                raise ConfigError(f"ec_connector_extra_config['dtype']: {e}") from None
-            kw[key] = name
-        else:  # host, advertise_host, paths, model_id, shm_dir
-            kw[key] = _str(key, v)
-    s = Settings(**kw, extra=extra)
+    s = Settings(**extra, extra=extra)  # each value checked against the schema
     if producer and _is_wildcard(s.host) and not s.advertise_host:
         raise ConfigError(f"host {s.host!r} is a wildcard bind: set 'advertise_host' to the "
                           "address consumers should connect to")
     if not s.insecure and s.secret_key_file is None and (producer or consumer):
-        raise ConfigError("ec_connector_extra_config needs 'secret_key_file' (this node's CURVE "
+        raise ConfigError(f"{_WHERE} needs 'secret_key_file' (this node's CURVE "
                           "key pair, from `ectransport keys generate`), or 'insecure': true for "
                           "loopback tests without encryption")
     if consumer and not s.insecure and not s.producer_keys:
@@ -226,3 +306,30 @@ def parse_settings(extra: Mapping[str, Any] | None, *, producer: bool, consumer:
         raise ConfigError("'insecure': true cannot use 'secret_key_file' / 'allow_dir' (plain "
                           "ZMQ has no keys); remove one or the other")
     return s
+
+
+def _shown(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int) and v >= 1 << 20 and v % (1 << 20) == 0:
+        return f"{v >> 30} GiB" if v % (1 << 30) == 0 else f"{v >> 20} MiB"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(f'"{x}"' if isinstance(x, str) else str(x) for x in v) + "]"
+    return str(v)
+
+
+def settings_table() -> str:
+    """The Markdown table of every key (``docs/vllm.md``): default, role, meaning, and where the
+    connector's default differs from the Python API's, why."""
+    rows = ["| key | default | role | meaning |", "|---|---|---|---|"]
+    for name, k in KEYS.items():
+        leaf = k.leaf
+        meaning = leaf.meaning.replace("|", "\\|") + (f"; {k.note}" if k.note else "")
+        d = leaf.differs("vllm")
+        default = leaf.default_for("vllm")
+        if d is not None:
+            meaning += f" (here {_shown(d.value)}, Python API {_shown(leaf.default)}: {d.reason})"
+        rows.append(f"| `{name}` | {_shown(default)} | {k.role} | {meaning} |")
+    return "\n".join(rows) + "\n"

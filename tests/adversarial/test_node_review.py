@@ -76,9 +76,9 @@ def test_a_second_welcome_naming_another_plane_does_not_hand_old_handles_to_the_
     hostile producer answering a re-Hello/probe) and its Welcome negotiates another plane while a
     transfer of the first plane is still in flight (quarantined after its read deadline).
     ConsumerSession.on_bound overwrites ``plane``, and the node then polls and releases the old
-    plane's handle with the *new* plane (node/consumer.py _step: ``self._planes.get(s.plane)``;
-    _execute Release: ``self._planes[s.plane].release``): the new plane reports ERR for a handle it
-    does not know, the quarantine settles and the landing blocks are freed while the old plane's
+    plane's handle with the *new* plane (ConsumerDriver.step: ``self.planes.get(s.plane)``;
+    ConsumerDriver.execute, Release: that plane's ``release``): the new plane reports ERR for a
+    handle it does not know, the quarantine settles and the landing blocks are freed while the old plane's
     DMA may still land in them, and the old handle is never released (nor the old binding
     unbound: _bind calls ``plane.unbind_peer(old)`` on the new plane)."""
     fa, fb = _fake_plane("fa", stuck=True), _fake_plane("fb", stuck=False)

@@ -11,10 +11,11 @@ import tomllib
 from click.testing import CliRunner
 
 from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
-from ectransport.cli.commands import cli_settings
 from ectransport.cli.main import cli
+from ectransport.cli.options import cli_settings, setting_options
 from ectransport.config import LEAVES, Settings, load_settings, render
 from ectransport.errors import ConfigError
+from ectransport.settings_schema import CLI, defaults
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -25,7 +26,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_match_the_nodes_and_operations_doc():
     s = load_settings(env={}).settings
-    assert s == Settings()
+    assert s == CLI == defaults("cli")
+    assert load_settings(env={}, front_end="api").settings == Settings()
     c = s.consumer_node_kwargs()
     assert (c["ack_timeout_s"], c["read_timeout_s"], c["quarantine_s"], c["fetch_timeout_s"]) == \
         (2.0, 20.0, 60.0, 30.0)
@@ -68,7 +70,7 @@ ack_timeout_s = 3.5
     assert s.producer.region_bytes == 1 << 20  # file
     assert s.consumer.ack_timeout_s == 4.0  # env over file
     assert s.producer.port == 7200  # flag over env over file
-    assert s.node.planes == ["tcp", "nixl"]  # env, comma-separated list
+    assert s.node.planes == ("tcp", "nixl")  # env, comma-separated list
     assert s.consumer.read_timeout_s == 20.0  # default
     src = loaded.sources
     assert src[("producer", "lease_s")] == f"file {f}"
@@ -168,22 +170,35 @@ def test_cli_flags_override_only_when_typed(tmp_path, monkeypatch):
     seen = {}
 
     @click.command()
-    @click.option("--port", default=5601, type=int)
-    @click.option("--lease-s", default=30.0, type=float)
-    @click.option("--plane", "planes", multiple=True, default=("nixl",))
+    @setting_options("producer.port", "producer.lease_s", "node.planes")
     @click.pass_context
-    def probe(ctx, port, lease_s, planes):
-        seen["s"] = cli_settings(ctx, f, {"port": ("producer.port", "--port"),
-                                          "lease_s": ("producer.lease_s", "--lease-s"),
-                                          "planes": ("node.planes", "--plane")}, locals())
+    def probe(ctx):
+        seen["s"] = cli_settings(ctx, f)
 
     f = write(tmp_path, "[producer]\nport = 7000\nlease_s = 40\n[node]\nplanes = [\"tcp\"]\n")
     monkeypatch.setenv("ECTRANSPORT_PRODUCER__LEASE_S", "50")
     assert CliRunner().invoke(probe, []).exit_code == 0
     s = seen["s"].settings
-    assert (s.producer.port, s.producer.lease_s, s.node.planes) == (7000, 50.0, ["tcp"])
+    assert (s.producer.port, s.producer.lease_s, s.node.planes) == (7000, 50.0, ("tcp",))
     assert CliRunner().invoke(probe, ["--port", "7300", "--lease-s", "60", "--plane", "ucx",
                                       "--plane", "tcp"]).exit_code == 0
     s = seen["s"].settings
-    assert (s.producer.port, s.producer.lease_s, s.node.planes) == (7300, 60.0, ["ucx", "tcp"])
+    assert (s.producer.port, s.producer.lease_s, s.node.planes) == (7300, 60.0, ("ucx", "tcp"))
     assert seen["s"].sources[("producer", "lease_s")] == "flag --lease-s"
+
+
+def test_a_single_env_value_is_a_list_of_one_and_section_rules_name_the_source():
+    s = load_settings(env={"ECTRANSPORT_NODE__VERSIONS": "1"}).settings
+    assert s.node.versions == (1,)
+    assert load_settings(env={"ECTRANSPORT_NODE__PLANES": "tcp"}).settings.node.planes == ("tcp",)
+    with pytest.raises(ConfigError, match=r"from env ECTRANSPORT_NODE__VERSIONS.*unsupported"):
+        load_settings(env={"ECTRANSPORT_NODE__VERSIONS": "7"})
+
+
+def test_an_empty_env_value_unsets_an_optional_setting_only():
+    loaded = load_settings(env={"ECTRANSPORT_SECURITY__KEY_FILE": "",
+                                "ECTRANSPORT_PRODUCER__BUDGET_BYTES": ""})
+    assert loaded.settings.security.key_file is None
+    assert loaded.settings.producer.budget_bytes is None
+    with pytest.raises(ConfigError, match="from env ECTRANSPORT_PRODUCER__HOST"):
+        load_settings(env={"ECTRANSPORT_PRODUCER__HOST": ""})

@@ -6,8 +6,6 @@ request, sends garbage. The producer must unpin exactly once and keep serving re
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import numpy as np
 import pytest
@@ -62,7 +60,6 @@ def _real_fetch_ok(p: ProducerNode, closing) -> None:
 def test_lease_expiry_unpins_an_abandoned_grant(closing, raw_for):
     p = _producer(closing, LEASE_S)
     raw = raw_for(p)
-    t0 = time.monotonic()
     ack = raw.req(MM, LAYOUT.compat_hash)
     assert ack.status is Status.OK and ack.grant is not None, ack
     assert ack.grant.lease_s == LEASE_S
@@ -71,11 +68,8 @@ def test_lease_expiry_unpins_an_abandoned_grant(closing, raw_for):
     assert st["pinned_bytes"] == PIN_BYTES and st["active_grants"] == 1 and st["grants"] == 1, st
     assert _pins(p) == 1
 
+    # (that it is not cut short is tested on the test's own clock in test_driver.py)
     assert wait_for(lambda: p.stats()["pinned_bytes"] == 0, LEASE_S + DEADLINE_S), p.stats()
-    # A lower bound only (it cannot fail on a slow machine: the grant was issued after t0, the
-    # lease counts from then, and the unpin was seen after it happened): not cut short.
-    held = time.monotonic() - t0
-    assert held >= LEASE_S - 0.1, f"unpinned after {held:.2f}s, before the {LEASE_S}s lease"
     st = p.stats()
     assert st["expired"] == 1 and st["completed"] == 0 and st["released_peer_down"] == 0, st
     assert st["active_grants"] == 0
@@ -96,32 +90,8 @@ def test_lease_expiry_unpins_an_abandoned_grant(closing, raw_for):
     assert _pins(p) == 0
 
 
-RENEWALS = 10
-
-
-def test_renew_keeps_the_pin_then_it_expires(closing, raw_for):
-    p = _producer(closing, LEASE_S)
-    raw = raw_for(p)
-    ack = raw.req(MM, LAYOUT.compat_hash)
-    gid = ack.grant.grant_id
-    # A client that renews every quarter lease, RENEWALS times: the cadence is the behaviour under
-    # test (there is no event to wait on). The sleeps add up to 2.5 leases, so the grant is seen
-    # alive well past its first lease; only a renewal that is late by a whole lease (a stalled
-    # test thread) could let it expire meanwhile.
-    for _ in range(RENEWALS):
-        t_last = time.monotonic()
-        raw.renew([gid], LEASE_S)
-        time.sleep(LEASE_S / 4)
-        st = p.stats()
-        assert st["active_grants"] == 1 and st["pinned_bytes"] == PIN_BYTES, (
-            f"renewed grant expired: {st}")
-    assert wait_for(lambda: p.stats()["active_grants"] == 0, LEASE_S + DEADLINE_S), p.stats()
-    # not before a whole lease after the last renewal (a lower bound: it cannot fail on a slow
-    # machine, the renewal reached the producer after t_last)
-    assert time.monotonic() - t_last >= LEASE_S - 0.1
-    st = p.stats()
-    assert st["expired"] == 1 and st["completed"] == 0, st
-    assert wait_for(lambda: _pins(p) == 0, GRACE_S + DEADLINE_S)
+# Renewals and the exact moment a lease ends are tested on a clock the test sets, with the
+# producer's driver stepped by hand: test_driver.py::test_renewals_keep_a_grant_then_it_expires...
 
 
 def test_xfer_done_releases_at_once(closing, raw_for):

@@ -1,4 +1,7 @@
-"""Plane negotiation between nodes with different plane sets (real sockets, real planes)."""
+"""Plane negotiation between nodes with different plane sets (real CURVE sockets, real planes).
+
+The negotiation logic itself is tested over the in-memory control pair in ``test_driver.py``;
+these cases prove the same with real sockets."""
 
 from __future__ import annotations
 
@@ -25,8 +28,6 @@ def _nodes(closing, producer_planes, consumer_planes):
 
 
 @pytest.mark.parametrize(("producer_planes", "consumer_planes", "chosen"), [
-    (("nixl", "tcp"), ("ucx", "tcp"), "tcp"),       # the only common plane
-    (("tcp", "nixl"), ("nixl", "tcp"), "nixl"),     # the consumer's preference wins
     (("ucx", "tcp", "nixl"), ("ucx", "nixl"), "ucx"),
 ])
 def test_best_common_plane_is_chosen_and_moves_the_bytes(closing, producer_planes,

@@ -2,7 +2,8 @@
 
 No timing: the region's copy is hooked, and the hook asks another thread for ``stats()`` and
 ``lookup()`` (both take the lock) while the copy is in progress: they answer only if put does not
-hold the lock meanwhile (the deadline only bounds the wait of a failing run).
+hold the lock meanwhile (the deadline only bounds the wait of a failing run). The nodes here are
+never started and need no socket: their control plane is the in-memory one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import threading
 
 import numpy as np
 
+from ectransport.control.memory import MemoryControlServer, MemoryNetwork
 from ectransport.node import Layout, ProducerNode, Security
 from tests.conftest import DEADLINE_S
 
@@ -19,7 +21,8 @@ LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 
 def test_put_copies_outside_the_node_lock(closing, monkeypatch):
     node = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("tcp",),
-                                security=Security(insecure=True)))
+                                security=Security(insecure=True),
+                                control=MemoryControlServer(MemoryNetwork())))
     seen = []
     write = node.region.write
 
@@ -47,14 +50,10 @@ def test_put_copies_outside_the_node_lock(closing, monkeypatch):
 
 def test_pin_local_keeps_an_entry_from_eviction_until_unpinned():
     """A local reader (vLLM's worker loading from the region) pins through the public API."""
-    import numpy as np
-
-    from ectransport.node import Layout, ProducerNode, Security
-
     layout = Layout(hidden=256, dtype="bfloat16")
     rows = np.zeros((8, layout.block_bytes), dtype=np.uint8)
     p = ProducerNode(layout=layout, region_bytes=8 * layout.block_bytes,
-                     security=Security(insecure=True))
+                     security=Security(insecure=True), control=MemoryControlServer(MemoryNetwork()))
     try:
         assert p.pin_local("nope") is None
         assert p.put("a", rows)

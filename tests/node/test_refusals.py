@@ -6,8 +6,6 @@ In-process ProducerNode (CURVE, allow-list callback) and ConsumerNodes over loop
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -232,13 +230,10 @@ def test_busy_until_deadline_is_busy_and_pins_nothing(budget_producer, keys, clo
     raw, _ = _hog(p, keys["consumer"])
     try:
         c = _consumer(closing, keys["consumer"])
-        t0 = time.monotonic()
         out = c.fetch(_addr(p), MM2, timeout_s=1.0)
-        elapsed = time.monotonic() - t0
         assert isinstance(out, Miss) and out.reason is MissReason.BUSY, out
-        # kept asking until its deadline (a lower bound: it cannot fail on a slow machine)
-        assert elapsed >= 0.9, elapsed
-        assert p.session.nacks.get(Status.NACK_BUSY, 0) >= 2, p.session.nacks  # it retried
+        # kept asking until its deadline: it retried (backoff timing: tests/session)
+        assert p.session.nacks.get(Status.NACK_BUSY, 0) >= 2, p.session.nacks
         assert p.lookup(MM2).pins == 0
         assert p.stats()["grants"] == 1 and c.store.free_blocks == c.store.num_blocks
     finally:

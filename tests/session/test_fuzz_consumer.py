@@ -43,7 +43,6 @@ fuzz test; see docs/security.md, "Fuzzing the sessions".
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import time
@@ -87,13 +86,7 @@ ENTRY_BYTES = (0, 1, BLOCK, 5 * BLOCK + 3, NUM_BLOCKS * BLOCK, (NUM_BLOCKS + 1) 
 HOSTILE = (-1, 1 << 62, 1 << 63, 2**64 - 1, -(2**63), NAN, INF, -INF, -0.0, 1e308, "", None)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_session_logs():
-    log = logging.getLogger("ectransport.session")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_session_logs")
 
 
 # -- frames from the producer ------------------------------------------------------------------

@@ -17,7 +17,6 @@ by hand (see docs/security.md, "Fuzzing the sessions")::
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
@@ -42,13 +41,7 @@ STRANGERS = ("s0", "s1", "s2", "s3")  # peers that only ever send fuzz (which ma
 NEVER = ("n0", "n1")  # peers whose fuzz never contains a valid Hello: they must never be pinned for
 
 
-@pytest.fixture(autouse=True)
-def _quiet_session_logs():
-    log = logging.getLogger("ectransport.session")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_session_logs")
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:

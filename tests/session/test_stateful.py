@@ -23,7 +23,6 @@ that everything drains: no grant, no pin, no open fetch, no live handle, no NOT_
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 
@@ -578,14 +577,7 @@ class Model(RuleBasedStateMachine):
         self.consumers_consistent()
 
 
-@pytest.fixture(autouse=True)
-def _quiet_session_logs():
-    """The sessions log every quarantine and lease expiry; thousands per run drown the output."""
-    log = logging.getLogger("ectransport.session")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_session_logs")
 
 
 FAST = dict(deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -28,7 +28,7 @@ except ImportError:
     # Without vLLM only test_vllm_available.py (which reports the skip) and the tests of the
     # vLLM-free modules are collected.
     collect_ignore = [f for f in os.listdir(HERE) if f.startswith("test_") and
-                      f not in ("test_vllm_available.py", "test_region.py")]
+                      f not in ("test_vllm_available.py", "test_region.py", "test_settings.py")]
 
 REGION_GLOB = "/dev/shm/ectransport-vllm-*.region"
 

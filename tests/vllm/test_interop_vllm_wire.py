@@ -4,8 +4,6 @@ vLLM's ProducerSession; bytes verified; refusals typed; opt-in enforced."""
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from interop.vllm_side import (
     StockVllmProducer,
     vllm_hash,
 )
+from tests.conftest import wait_for
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.slow
@@ -38,15 +37,6 @@ INSECURE = Security(insecure=True)
 
 def _rows(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, BB), dtype=np.uint8)
-
-
-def _wait(pred, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def test_compat_hash_and_ack_encoding_match_vllm():
@@ -102,7 +92,7 @@ def test_stock_vllm_consumer_fetches_from_our_producer(our_producer, stock_consu
         out = stock_consumer.fetch(addr, mm, rows.shape[0])
         assert out.state == "completed", out
         assert np.array_equal(out.data, rows.reshape(-1))
-    assert _wait(lambda: our_producer.stats()["active_grants"] == 0, 5.0), our_producer.stats()
+    assert wait_for(lambda: our_producer.stats()["active_grants"] == 0, 5.0), our_producer.stats()
     assert our_producer.stats()["pinned_bytes"] == 0
     assert our_producer.session.stats["completed"] == 3
 
@@ -178,7 +168,7 @@ def test_our_consumer_fetches_from_stock_vllm_producer(stock_producer):
             out = c.fetch(addr, mm, rows.nbytes, timeout_s=10.0)
             assert isinstance(out, Fetched), out
             assert np.array_equal(out.data, rows.reshape(-1))
-        assert _wait(lambda: stock_producer.pinned("a") == 0 and stock_producer.pinned("b") == 0,
+        assert wait_for(lambda: stock_producer.pinned("a") == 0 and stock_producer.pinned("b") == 0,
                      5.0)
         out = c.fetch(addr, "nope", BB, timeout_s=5.0)
         assert isinstance(out, Miss) and out.reason is MissReason.MISSING, out
@@ -198,3 +188,23 @@ def test_our_consumer_fetches_from_stock_vllm_producer(stock_producer):
             assert isinstance(out, Miss) and out.reason is reason, out
         finally:
             c.close()
+
+
+def test_our_consumer_pipelines_fetches_on_the_shared_driver(stock_producer):
+    """VllmWireConsumer runs on ConsumerNode's driver and I/O loop: several fetches in flight at
+    once, each verified; afterwards nothing is in flight and every landing block is free."""
+    rows = {f"p{i}": _rows(10 + i, 20 + i) for i in range(4)}
+    for k, r in rows.items():
+        stock_producer.put(k, r)
+    c = VllmWireConsumer(profile=PROFILE, security=INSECURE, layout=LAYOUT, region_bytes=128 * BB)
+    addr = ("127.0.0.1", stock_producer.port)
+    try:
+        futs = {k: c.submit(addr, k, r.nbytes, timeout_s=20.0) for k, r in rows.items()}
+        for k, fut in futs.items():
+            out = fut.result(timeout=30.0)
+            assert isinstance(out, Fetched), out
+            assert np.array_equal(out.data, rows[k].reshape(-1))
+        assert wait_for(lambda: c.stats()["in_flight"] == 0), c.stats()
+        assert c.stats()["producers"] == 1 and c.store.free_blocks == c.store.num_blocks
+    finally:
+        c.close()

@@ -96,6 +96,8 @@ def test_consumer_gets_the_producers_bytes(producer, consumer):
         assert info["size_bytes"] == n * HIDDEN * 2 and info["shape"] == [n, HIDDEN]
         assert info["public_key"] == producer.info["public_key"]
         assert info["planes"] == ["nixl"] and info["versions"]
+        # vLLM's own per-item entries ride along (its EPD proxy sizes rewritten items from them)
+        assert info["item_indices"] == [features.index([h, _, n])] and "metadata" in info
 
     fin = consume(consumer, [tuple(f) for f in features], params)
     for h, _, n in features:

@@ -36,8 +36,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=cfg["model"], dtype="bfloat16", enforce_eager=True, max_model_len=512,
-              limit_mm_per_prompt={"image": 1, "video": 0}, enable_prefix_caching=False,
-              seed=0, **cfg.get("llm", {}))
+              limit_mm_per_prompt={"image": 1, "video": 0}, enable_prefix_caching=False, seed=0)
+    kw.update(cfg.get("llm", {}))  # the caller's settings win (e.g. a longer max_model_len)
     if cfg.get("ec") is not None:
         kw["ec_transfer_config"] = cfg["ec"]
     t0 = time.monotonic()

@@ -46,7 +46,11 @@ def _cli(*args: str) -> None:
 @pytest.fixture(scope="session")
 def keys(tmp_path_factory) -> Keys:
     """Key pairs made with the CLI, as docs/vllm.md tells users to."""
-    d = str(tmp_path_factory.mktemp("keys"))
+    return make_keys(str(tmp_path_factory.mktemp("keys")))
+
+
+def make_keys(d: str) -> Keys:
+    """A producer and a consumer key pair in ``d``, the consumer allowed by the producer."""
     _cli("keys", "generate", "--out", d, "--name", "encoder-0")
     _cli("keys", "generate", "--out", d, "--name", "pd-0")
     allow = os.path.join(d, "allowed-consumers")

@@ -1,0 +1,123 @@
+"""ProducerDriver: one producer-side serving session driven over a control server and planes.
+
+    driver = ProducerDriver(session, control, planes, region, own_region=True)
+    while serving:
+        driver.step(wait_s=0.02)     # or step(now) from a loop that owns the clock
+
+The session (ECTP's :class:`ProducerSession`, or a wire profile's) is sans-I/O; the driver feeds
+it control events, data-plane notifications and the time, and performs the commands it returns.
+Public methods that touch the session or the store hold :attr:`Driver.lock`; the plane and
+control-plane I/O of a step happens outside it, so ``put`` from other threads is never blocked
+behind a send. One thread steps at a time: a :class:`ProducerNode` that was started steps on its
+own thread; one that was not (tests, a caller with its own loop) is stepped by its owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from ectransport.control.base import ControlServer, Down, PeerId, Received
+from ectransport.data.base import DataTransport
+from ectransport.node.driver import Driver, Observers
+from ectransport.session import Command, Revoke, Send
+from ectransport.store import BlockRegion
+
+log = logging.getLogger("ectransport.node.producer")
+
+#: How often the session's timers (leases, grace periods) are swept, seconds.
+SWEEP_S = 0.05
+
+
+class ServingSession(Protocol):
+    """What a :class:`ProducerDriver` needs from a producer-side session (ECTP's
+    :class:`~ectransport.session.ProducerSession` and the vLLM wire profile's both fit)."""
+
+    def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Any]: ...
+
+    def on_notification(self, notif: bytes, now: float) -> list[Any]: ...
+
+    def on_peer_down(self, peer: Any, now: float) -> list[Any]: ...
+
+    def poll(self, now: float) -> list[Any]: ...
+
+    def close(self) -> list[Any]: ...
+
+    # gauges and counters, read by ProducerNode.stats() / snapshot() under the driver's lock
+    @property
+    def stats(self) -> Mapping[str, int]: ...
+
+    @property
+    def nacks(self) -> Mapping[Any, int]: ...  # status enum -> NACKs sent
+
+    @property
+    def active_grants(self) -> int: ...
+
+    def pinned_bytes(self) -> int: ...
+
+    def pinned_by_identity(self) -> dict[str, int]: ...
+
+
+class ProducerDriver(Driver[ControlServer]):
+    """Drives one :class:`ServingSession` (see module docstring).
+
+    Args:
+        session: the sans-I/O serving session (its store is guarded by :attr:`lock`).
+        control / planes / region / own_region / observers: see :class:`Driver`.
+        clock: the monotonic clock used when :meth:`step` is not given ``now``.
+    """
+
+    def __init__(self, session: ServingSession, control: ControlServer,
+                 planes: dict[str, DataTransport], region: BlockRegion, *, own_region: bool,
+                 observers: Observers | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(control, planes, region, own_region=own_region, observers=observers)
+        self.session = session
+        self.clock = clock
+        self._last_sweep = float("-inf")
+
+    def step(self, now: float | None = None, *, wait_s: float = 0.0) -> None:
+        """One round: wait up to ``wait_s`` for control events, answer them (answers are sent
+        first: consumers wait for them), then data-plane notifications and, every
+        :data:`SWEEP_S`, the session's timers. ``now`` defaults to the clock after the wait."""
+        events = self.control.poll(wait_s)
+        cmds: list[Command] = []
+        with self.lock:
+            t = self.clock() if now is None else now
+            for ev in events:
+                match ev:
+                    case Received(source=PeerId() as peer, data=data):
+                        cmds += self.session.on_frame(peer, data, t, user=peer.user)
+                    case Down(source=peer):
+                        cmds += self.session.on_peer_down(peer, t)
+        self.perform(cmds)
+        cmds = []
+        with self.lock:
+            for plane in self.planes.values():
+                for notif in plane.poll_notifications():
+                    cmds += self.session.on_notification(notif, t)
+            if t - self._last_sweep > SWEEP_S:
+                cmds += self.session.poll(t)
+                self._last_sweep = t
+        self.perform(cmds)
+
+    def perform(self, cmds: list[Command]) -> None:
+        """Carry out the session's commands (sends, grant revocations); lock not held."""
+        for c in cmds:
+            match c:
+                case Send(peer=peer, data=data):
+                    self.control.send(peer, data)
+                case Revoke(plane=name, plane_grant=grant):
+                    plane = self.planes.get(name)
+                    if plane is not None:
+                        plane.revoke(grant)
+                case _:
+                    log.warning("producer session returned an unexpected command %r", c)
+
+    def close(self) -> None:
+        """End every grant (revoking them on their planes), then close control, planes, region."""
+        with self.lock:
+            self.session.close()  # the planes close next: nothing is left to revoke on them
+        self.close_resources()

@@ -1,0 +1,537 @@
+"""The settings schema: every timeout, budget, size and path of ectransport, declared once.
+
+Each setting is one field of a frozen msgspec Struct below: its name (unit in the name: ``_s``
+seconds, ``_bytes`` bytes), its type and range, its default and its description (unit again,
+and meaning). Everything else is generated from these fields:
+
+- the Python API's defaults: ``ProducerNode(lease_s=API.producer.lease_s, ...)`` — this module
+  sits just above ``ectransport.protocol`` so that every layer may read it;
+- ``ectransport.config``: the TOML file, the ``ECTRANSPORT_SECTION__KEY`` variables and
+  ``ectransport config show`` (one key per field);
+- ``ectransport.cli``: the flags of ``serve``, ``fetch``, ``demo`` (type, range, default, help);
+- ``ectransport.vllm.settings``: the ``ec_connector_extra_config`` keys (public names mapped to
+  fields here; the vLLM-only ones are :class:`VllmSettings`).
+
+A front end that deliberately uses another default says so at the field, once, with the reason:
+``doc(..., cli=Differs(1 << 30, "why"))``. :func:`defaults` applies them; :data:`DIFFERENCES`
+lists them (``docs/configuration.md`` prints that list).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+from msgspec import Meta
+from msgspec import inspect as mi
+
+from ectransport.protocol import SUPPORTED_VERSIONS
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: The front ends: ``api`` (ProducerNode/ConsumerNode built in Python: the fields' own
+#: defaults), ``cli`` (the ``ectransport`` commands and :func:`ectransport.config.load_settings`),
+#: ``vllm`` (ECTransportConnector's ``ec_connector_extra_config``).
+FrontEnd = Literal["api", "cli", "vllm"]
+FRONT_ENDS: tuple[FrontEnd, ...] = ("api", "cli", "vllm")
+
+Seconds = Annotated[float, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Text = Annotated[str, Meta(min_length=1)]
+
+
+class Differs(NamedTuple):
+    """A front end's deliberate default for one setting, and why it differs."""
+
+    value: Any
+    reason: str
+
+
+def doc(text: str, *, flag: str | None = None, path: bool = False, cli: Differs | None = None,
+        vllm: Differs | None = None, **constraints: Any) -> Meta:
+    """A field's ``Annotated`` metadata.
+
+    Args:
+        text: unit + meaning (``"pin lease of a grant, s"``); the first word is capitalised for
+            ``--help``.
+        flag: the CLI flag when it is not ``--<key-with-dashes>`` (``--key`` for ``key_file``).
+        path: the value is a file system path (the CLI completes it as one).
+        cli / vllm: that front end's deliberate default, with the reason.
+        constraints: msgspec range constraints (``ge=0.1``, ``le=1000``, ``min_length=1``).
+    """
+    extra: dict[str, Any] = {}
+    if flag is not None:
+        extra["flag"] = flag
+    if path:
+        extra["path"] = True
+    if cli is not None:
+        extra["cli"] = cli
+    if vllm is not None:
+        extra["vllm"] = vllm
+    return Meta(description=text, extra=extra or None, **constraints)
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+# -- the sections ---------------------------------------------------------------------------------
+
+
+class LayoutSettings(_Section, frozen=True):
+    """What an entry's bytes mean (both sides must agree: compatibility hash)."""
+
+    hidden: Annotated[int, doc(
+        "row width of an encoder output, elements (3584 = Qwen2-VL-7B)", ge=1
+    )] = 3584
+    dtype: Annotated[Literal["bfloat16", "float16", "float32"], doc(
+        "element dtype of encoder outputs"
+    )] = "bfloat16"
+    seed: Annotated[int, doc(
+        "weight seed of the reference encoder (part of the model id)", ge=0
+    )] = 0
+
+
+class NodeSettings(_Section, frozen=True):
+    planes: Annotated[tuple[Text, ...], doc(
+        "data planes offered/used, best first (see `ectransport planes`)", flag="--plane",
+        min_length=1,
+    )] = ("nixl",)
+    node_id: Annotated[Text | None, doc(
+        "name in logs and the NIXL agent; unset = '<role>-<random>'"
+    )] = None
+    versions: Annotated[tuple[int, ...], doc(
+        "ECTP protocol versions spoken (override only to emulate older/newer nodes)",
+        min_length=1,
+    )] = SUPPORTED_VERSIONS
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.versions if v not in SUPPORTED_VERSIONS]
+        if bad:
+            raise ValueError(f"unsupported version(s) {bad}; supported: "
+                             f"{list(SUPPORTED_VERSIONS)}")
+
+
+class SecuritySettings(_Section, frozen=True):
+    key_file: Annotated[Text | None, doc(
+        "this node's CURVE secret key file (`ectransport keys generate`); must be mode 0600",
+        flag="--key", path=True,
+    )] = None
+    allow_dir: Annotated[Text | None, doc(
+        "producer: directory of allowed consumer public keys, reloaded on change and on "
+        "SIGHUP (required for a non-loopback bind)", path=True,
+    )] = None
+    server_key: Annotated[Text | None, doc(
+        "consumer: the producer's public key (Z85 text or a public key file path)"
+    )] = None
+    insecure: Annotated[bool, doc(
+        "plain ZMQ without CURVE: no authentication, no encryption (anyone who reaches the port "
+        "can pin and read entries); both sides must agree"
+    )] = False
+
+
+class ProducerSettings(_Section, frozen=True):
+    host: Annotated[Text, doc("control-plane bind address")] = "127.0.0.1"
+    advertise_host: Annotated[Text | None, doc(
+        "address consumers reach this host at (required with a wildcard host such as 0.0.0.0 "
+        "for the tcp/ucx planes, which put it in their grants)"
+    )] = None
+    port: Annotated[Port, doc(
+        "control-plane port, 0 = any free port",
+        cli=Differs(5601, "`serve` is started by hand and consumers are pointed at it: a "
+                          "well-known port (the Python API and vLLM bind any free port and "
+                          "report or announce it)"),
+    )] = 0
+    region_bytes: Annotated[int, doc(
+        "host region for cached entries, bytes (whole blocks)", ge=1,
+        cli=Differs(GiB, "`serve` encodes and holds a whole image folder; what it always used"),
+    )] = 256 * MiB
+    lease_s: Annotated[float, doc(
+        "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1
+    )] = 30.0
+    budget_bytes: Annotated[PosInt | None, doc(
+        "most bytes one consumer may have pinned, bytes; unset = a quarter of the region"
+    )] = None
+    grace_s: Annotated[float, doc(
+        "blocks of a grant that ended unconfirmed stay pinned this long more (READ planes), s", ge=0
+    )] = 5.0
+    images: Annotated[Text | None, doc(
+        "folder or file of images `serve`/`demo` encode at start-up; unset = the six "
+        "bundled public-domain photographs", path=True,
+    )] = None
+
+
+class ConsumerSettings(_Section, frozen=True):
+    region_bytes: Annotated[int, doc("landing region, bytes", ge=1)] = 256 * MiB
+    fetch_timeout_s: Annotated[float, doc(
+        "overall deadline of one fetch, s", ge=0.1, flag="--timeout-s",
+        vllm=Differs(10.0, "a vLLM request waits in the scheduler until its items are fetched; "
+                           "after 10 s encoding the item locally is the faster way out"),
+    )] = 30.0
+    connect_timeout_s: Annotated[Seconds, doc(
+        "deadline of an explicit connect (CLI `fetch`: min(this, --timeout-s)), s"
+    )] = 10.0
+    ack_timeout_s: Annotated[Seconds, doc("XferReq -> XferAck deadline, s")] = 2.0
+    read_timeout_s: Annotated[Seconds, doc("data-plane transfer deadline after the ack, s")] = 20.0
+    quarantine_s: Annotated[Seconds, doc(
+        "a timed-out transfer keeps its landing blocks this long, s"
+    )] = 60.0
+    hello_timeout_s: Annotated[Seconds, doc("connection + Hello -> Welcome deadline, s")] = 5.0
+    retry_backoff_s: Annotated[Seconds, doc(
+        "first wait before re-sending after NACK_NOT_READY/BUSY, s"
+    )] = 0.02
+    retry_backoff_max_s: Annotated[Seconds, doc("largest such wait (doubling), s")] = 0.5
+    peer_backoff_s: Annotated[Seconds, doc("first peer quarantine after a failure, s")] = 1.0
+    peer_backoff_max_s: Annotated[Seconds, doc("longest peer quarantine (doubling), s")] = 60.0
+
+
+class _ControlSocketSettings(_Section, frozen=True):
+    """What the control server and client both set on their ZeroMQ sockets."""
+
+    heartbeat_ivl_s: Annotated[Seconds, doc("ZMTP heartbeat interval, s")] = 2.0
+    max_frame_bytes: Annotated[PosInt, doc("largest control frame, bytes")] = 8 * MiB
+    max_msgs_per_poll: Annotated[PosInt, doc("frames read per loop iteration at most")] = 256
+    sndhwm: Annotated[PosInt, doc("per-connection send queue, frames")] = 1000
+    rcvhwm: Annotated[PosInt, doc("per-connection receive queue, frames")] = 1000
+
+
+class ControlServerSettings(_ControlSocketSettings, frozen=True):
+    heartbeat_timeout_s: Annotated[Seconds, doc("a consumer silent this long is dropped, s")] = 4.0
+    handshake_timeout_s: Annotated[Seconds, doc(
+        "half-open CURVE handshakes are dropped after, s"
+    )] = 10.0
+    peer_rate_per_s: Annotated[float, doc("per-consumer frame rate, frames/s", gt=0)] = 2000.0
+    peer_burst: Annotated[PosInt, doc("per-consumer burst, frames")] = 500
+
+
+class ControlClientSettings(_ControlSocketSettings, frozen=True):
+    handshake_timeout_s: Annotated[Seconds, doc("TCP connect + CURVE handshake deadline, s")] = 1.5
+    heartbeat_timeout_s: Annotated[Seconds, doc(
+        "a producer silent this long is reported down, s"
+    )] = 4.0
+    reconnect_ivl_s: Annotated[Seconds, doc("first ZeroMQ reconnect wait, s")] = 0.1
+    reconnect_ivl_max_s: Annotated[Seconds, doc("largest ZeroMQ reconnect wait, s")] = 2.0
+
+
+class ControlSettings(_Section, frozen=True):
+    server: ControlServerSettings = msgspec.field(default_factory=ControlServerSettings)
+    client: ControlClientSettings = msgspec.field(default_factory=ControlClientSettings)
+
+
+class TcpPlaneSettings(_Section, frozen=True):
+    host: Annotated[Text | None, doc("listener bind address; unset = the control plane's")] = None
+    port: Annotated[Port, doc("listener port, 0 = any free port")] = 0
+    advertise_host: Annotated[Text | None, doc(
+        "address put in grants (required for a wildcard host)"
+    )] = None
+    connect_timeout_s: Annotated[Seconds, doc("consumer connect deadline, s")] = 5.0
+    io_timeout_s: Annotated[Seconds, doc("longest stall of one socket operation, s")] = 10.0
+    idle_timeout_s: Annotated[Seconds, doc("producer: idle connections are closed after, s")] = 60.0
+    max_connections: Annotated[PosInt, doc("producer: concurrent connections served")] = 64
+    max_inflight: Annotated[PosInt, doc("consumer: concurrent receives")] = 64
+    max_idle_per_peer: Annotated[NonNegInt, doc(
+        "consumer: pooled idle connections per producer"
+    )] = 8
+
+
+class UcxPlaneSettings(_Section, frozen=True):
+    host: Annotated[Text | None, doc("address put in grants; unset = the control plane's")] = None
+    port: Annotated[Port, doc("UCX listener port, 0 = any free port")] = 0
+    peer_error_handling: Annotated[bool, doc(
+        "UCX endpoint error handling (forces TCP intra-node)"
+    )] = False
+    transfer_timeout_s: Annotated[Seconds, doc(
+        "a consumer transfer still in flight after this is ERR, s"
+    )] = 30.0
+    ucx_options: Annotated[dict[str, str], doc(
+        "extra UCX options, e.g. {TLS = \"tcp,cma,self\"}"
+    )] = msgspec.field(default_factory=dict)
+
+
+class NixlPlaneSettings(_Section, frozen=True):
+    num_threads: Annotated[NonNegInt, doc(
+        "NIXL UCX backend worker threads, 0 = NIXL's default"
+    )] = 0
+    prog_thread: Annotated[bool, doc("NIXL progress thread")] = True
+    grant_scope: Annotated[Literal["grant", "region"], doc(
+        "what a grant exposes: a registration of only its blocks, or the whole region (vLLM's "
+        "behaviour)"
+    )] = "grant"
+
+
+class PlanesSettings(_Section, frozen=True):
+    plugins: Annotated[dict[str, dict[str, Any]], doc(
+        "plugin plane name -> its constructor options (free-form; checked by the plugin)"
+    )] = msgspec.field(default_factory=dict)
+    tcp: TcpPlaneSettings = msgspec.field(default_factory=TcpPlaneSettings)
+    ucx: UcxPlaneSettings = msgspec.field(default_factory=UcxPlaneSettings)
+    nixl: NixlPlaneSettings = msgspec.field(default_factory=NixlPlaneSettings)
+
+
+class MetricsSettings(_Section, frozen=True):
+    port: Annotated[Port | None, doc(
+        "`serve`: expose Prometheus metrics at http://[metrics.host]:PORT/metrics (needs the "
+        "`metrics` extra; 0 = any free port); unset = off", flag="--metrics-port",
+    )] = None
+    host: Annotated[Text, doc(
+        "metrics HTTP bind address (0.0.0.0 to let a remote Prometheus scrape)"
+    )] = "127.0.0.1"
+
+
+class LogSettings(_Section, frozen=True):
+    level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], doc(
+        "level of the ectransport loggers", flag="--log-level",
+    )] = "WARNING"
+    format: Annotated[Literal["text", "json"], doc(
+        "text, or one JSON object per line (with peer, session_id, mm_hash, grant_id) for log "
+        "shippers", flag="--log-format",
+    )] = "text"
+
+
+class DemoSettings(_Section, frozen=True):
+    repeats: Annotated[int, doc(
+        "`demo`: fetches per item (the table shows the median)", ge=1, le=1000
+    )] = 5
+    producer_start_timeout_s: Annotated[Seconds, doc(
+        "`demo`: wait for the producer to serve, s"
+    )] = 600.0
+    producer_stop_timeout_s: Annotated[Seconds, doc(
+        "`demo`: SIGTERM -> SIGKILL of the producer, s"
+    )] = 15.0
+
+
+class VllmSettings(_Section, frozen=True):
+    """ECTransportConnector only (``ec_connector_extra_config``; not in the TOML file). The
+    connector's other keys are fields of :class:`Settings` (``ectransport.vllm.settings``)."""
+
+    region_bytes: Annotated[int, doc(
+        "the shared host region (/dev/shm), bytes, rounded down to whole rows; an ec_both node "
+        "gives half to served entries and half to fetched ones", ge=1,
+    )] = GiB
+    producer_keys: Annotated[tuple[Text, ...], doc(
+        "consumer: trusted producer public keys, each a Z85 key, a .key file or a directory of "
+        "them; or \"announced\" to trust the public_key carried in ec_transfer_params"
+    )] = ()
+    save_timeout_s: Annotated[Seconds, doc(
+        "producer: a reserved save not reported by the worker by then is given up, s"
+    )] = 60.0
+    load_timeout_s: Annotated[Seconds, doc(
+        "consumer: a load pin not released by every rank by then is released anyway, s"
+    )] = 60.0
+    model_id: Annotated[Text | None, doc(
+        "overrides the model id of the compatibility hash; unset = from the model config"
+    )] = None
+    dtype: Annotated[Text | None, doc(
+        "overrides the element dtype (torch name, 'torch.' optional); unset = from the model "
+        "config"
+    )] = None
+    hidden: Annotated[PosInt | None, doc(
+        "overrides the row width, elements; unset = the model's inputs-embeds width"
+    )] = None
+    shm_dir: Annotated[Text, doc("directory of the shared region file")] = "/dev/shm"
+    local_cache: Annotated[bool, doc(
+        "a saving instance (ec_producer, ec_both) takes a repeated item from its own region "
+        "instead of running the encoder again"
+    )] = True
+
+
+class Settings(_Section, frozen=True):
+    """Everything configurable, by section (``[producer]``, ``[control.server]``, ...).
+
+    ``Settings()`` holds the Python API's defaults; :func:`defaults` those of another front end.
+    """
+
+    layout: LayoutSettings = msgspec.field(default_factory=LayoutSettings)
+    node: NodeSettings = msgspec.field(default_factory=NodeSettings)
+    security: SecuritySettings = msgspec.field(default_factory=SecuritySettings)
+    producer: ProducerSettings = msgspec.field(default_factory=ProducerSettings)
+    consumer: ConsumerSettings = msgspec.field(default_factory=ConsumerSettings)
+    control: ControlSettings = msgspec.field(default_factory=ControlSettings)
+    planes: PlanesSettings = msgspec.field(default_factory=PlanesSettings)
+    metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
+    log: LogSettings = msgspec.field(default_factory=LogSettings)
+    demo: DemoSettings = msgspec.field(default_factory=DemoSettings)
+
+    # -- what the nodes take ------------------------------------------------------------------
+    def plane_options(self) -> dict[str, dict[str, Any]]:
+        """Plane name → constructor options (unset values left to the node/plane defaults)."""
+
+        def opts(section: _Section) -> dict[str, Any]:
+            d = msgspec.structs.asdict(section)
+            return {k: v for k, v in d.items() if v is not None and v != {}}
+
+        return {"tcp": opts(self.planes.tcp), "ucx": opts(self.planes.ucx),
+                "nixl": opts(self.planes.nixl),
+                **{k: dict(v) for k, v in self.planes.plugins.items()}}
+
+    def producer_node_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ProducerNode`` (all but ``layout`` and ``security``)."""
+        p = self.producer
+        return {"region_bytes": p.region_bytes, "host": p.host, "port": p.port,
+                "advertise_host": p.advertise_host,
+                "planes": self.node.planes, "lease_s": p.lease_s,
+                "budget_bytes": p.budget_bytes, "grace_s": p.grace_s,
+                "node_id": self.node.node_id, "versions": self.node.versions,
+                "plane_options": self.plane_options(),
+                "control_options": msgspec.structs.asdict(self.control.server)}
+
+    def consumer_node_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ConsumerNode`` (all but ``layout`` and ``security``)."""
+        c = self.consumer
+        return {"region_bytes": c.region_bytes, "planes": self.node.planes,
+                "ack_timeout_s": c.ack_timeout_s, "read_timeout_s": c.read_timeout_s,
+                "quarantine_s": c.quarantine_s, "fetch_timeout_s": c.fetch_timeout_s,
+                "node_id": self.node.node_id, "versions": self.node.versions,
+                "plane_options": self.plane_options(),
+                "control_options": msgspec.structs.asdict(self.control.client),
+                "session_options": self.session_options()}
+
+    def session_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ConsumerConfig`` that ``ConsumerNode`` does not take itself."""
+        c = self.consumer
+        return {k: getattr(c, k) for k in SESSION_KEYS}
+
+
+#: ConsumerSettings fields that go to the consumer session (``session_options=``).
+SESSION_KEYS = ("hello_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "peer_backoff_s",
+                "peer_backoff_max_s")
+
+
+# -- the leaves: what the generators walk ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One setting: its dotted path, type (``msgspec.inspect``, constraints included, the
+    description unwrapped), description, default (the Python API's) and per-front-end details."""
+
+    path: tuple[str, ...]
+    type: Any
+    description: str
+    default: Any
+    extra: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def key(self) -> str:
+        return self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        """The CLI flag (``--lease-s``; the field may name another one)."""
+        return str(self.extra.get("flag") or "--" + self.key.replace("_", "-"))
+
+    @property
+    def meaning(self) -> str:
+        """The description without its leading role (``producer: ``, ```demo`: ``), for a
+        place that already says the role (a command's ``--help``, the vLLM table)."""
+        m = _ROLE_PREFIX.match(self.description)
+        return self.description[m.end():] if m else self.description
+
+    @property
+    def is_path(self) -> bool:
+        return bool(self.extra.get("path"))
+
+    @property
+    def optional(self) -> bool:
+        return isinstance(self.type, mi.UnionType) and \
+            any(isinstance(t, mi.NoneType) for t in self.type.types)
+
+    @property
+    def base(self) -> Any:
+        """The type without ``None`` (``int`` for ``int | None``)."""
+        return strip_none(self.type)
+
+    @property
+    def is_dict(self) -> bool:
+        return isinstance(self.base, mi.DictType)
+
+    @property
+    def is_list(self) -> bool:
+        return isinstance(self.base, (mi.ListType, mi.VarTupleType))
+
+    @property
+    def is_str(self) -> bool:
+        return isinstance(self.base, (mi.StrType, mi.LiteralType))
+
+    def differs(self, front_end: FrontEnd) -> Differs | None:
+        """This front end's deliberate default and its reason, or None."""
+        d = self.extra.get(front_end)
+        return d if isinstance(d, Differs) else None
+
+    def default_for(self, front_end: FrontEnd) -> Any:
+        d = self.differs(front_end)
+        return self.default if d is None else d.value
+
+
+_ROLE_PREFIX = re.compile(r"(producer|consumer|`serve`|`demo`): ")
+
+
+def strip_none(t: Any) -> Any:
+    if isinstance(t, mi.UnionType):
+        rest = [x for x in t.types if not isinstance(x, mi.NoneType)]
+        return rest[0] if len(rest) == 1 else t
+    return t
+
+
+def leaves(cls: type = Settings, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Leaf]:
+    """Every setting of ``cls`` (a section Struct), by path, in declaration order."""
+    out: dict[tuple[str, ...], Leaf] = {}
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType), cls  # Settings and its sections are all Structs
+    for f in info.fields:
+        t, desc, extra = f.type, "", {}
+        if isinstance(t, mi.Metadata):
+            desc = (t.extra_json_schema or {}).get("description", "")
+            extra = dict(t.extra or {})
+            t = t.type
+        path = (*prefix, f.name)
+        if isinstance(t, mi.StructType):
+            out.update(leaves(t.cls, path))
+        else:
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            out[path] = Leaf(path, t, desc, default, extra)
+    return out
+
+
+#: Every setting of :class:`Settings`, by path.
+LEAVES: dict[tuple[str, ...], Leaf] = leaves()
+#: Every ECTransportConnector-only setting, by path (``("vllm", key)``).
+VLLM_LEAVES: dict[tuple[str, ...], Leaf] = leaves(VllmSettings, ("vllm",))
+#: Every deliberate difference: (front end, setting, its default there, the reason).
+DIFFERENCES: tuple[tuple[FrontEnd, str, Any, str], ...] = tuple(
+    (fe, leaf.name, d.value, d.reason)
+    for leaf in LEAVES.values() for fe in FRONT_ENDS if (d := leaf.differs(fe)) is not None)
+
+
+def replace_path(root: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``root`` (a frozen Struct) with the field at ``path`` set to ``value``."""
+    if len(path) == 1:
+        return msgspec.structs.replace(root, **{path[0]: value})
+    return msgspec.structs.replace(
+        root, **{path[0]: replace_path(getattr(root, path[0]), path[1:], value)})
+
+
+def defaults(front_end: FrontEnd = "api") -> Settings:
+    """The defaults of a front end: the fields' own, with that front end's differences."""
+    s = Settings()
+    for fe, name, value, _reason in DIFFERENCES:
+        if fe == front_end:
+            s = replace_path(s, tuple(name.split(".")), value)
+    return s
+
+
+#: The Python API's defaults: ``ProducerNode(lease_s=API.producer.lease_s, ...)``.
+API: Settings = defaults("api")
+#: The ``ectransport`` commands' and ``load_settings``' defaults.
+CLI: Settings = defaults("cli")
+#: ECTransportConnector's defaults for the keys it shares with :class:`Settings`.
+VLLM: Settings = defaults("vllm")

@@ -1,0 +1,320 @@
+"""The drivers under the nodes, driven by the test itself (issue 15): ``step(now)`` with the
+in-memory control pair, real data planes, no node threads — and, where time matters, a clock the
+test sets. Nothing here sleeps or measures wall-clock time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from ectransport.control.base import Received
+from ectransport.control.memory import MemoryControlClient, MemoryControlServer, MemoryNetwork
+from ectransport.errors import NoCommonPlane, ProtocolError
+from ectransport.node import (
+    ConsumerDriver,
+    ConsumerNode,
+    Fetched,
+    Layout,
+    Miss,
+    MissReason,
+    ProducerAddress,
+    ProducerNode,
+    Security,
+)
+from ectransport.node.driver import load_planes
+from ectransport.node.inbox import ReleaseFetched, Snapshot, StartFetch
+from ectransport.node.producer_driver import SWEEP_S
+from ectransport.protocol import (
+    SUPPORTED_VERSIONS,
+    Hello,
+    Renew,
+    Status,
+    Welcome,
+    XferAck,
+    XferReq,
+    decode,
+    encode,
+)
+from ectransport.session import ConsumerConfig
+from ectransport.store import BlockStore, HostRegion
+from tests.conftest import wait_for
+
+LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
+BB = LAYOUT.block_bytes
+ROWS = 16
+HOST, PORT = "127.0.0.1", 5601
+ADDR = ProducerAddress(HOST, PORT)
+
+
+def _rows(seed: int, n: int = ROWS) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, BB), dtype=np.uint8)
+
+
+def _producer(closing, net: MemoryNetwork, planes=("nixl",), **kw) -> ProducerNode:
+    """A ProducerNode that is never started: the test steps its driver."""
+    return closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=planes,
+                                security=Security(insecure=True),
+                                control=MemoryControlServer(net, HOST, PORT), **kw))
+
+
+@pytest.fixture
+def consumer_driver():
+    """``make(net, planes)``: a ConsumerDriver built by hand (what ConsumerNode builds)."""
+    made: list[ConsumerDriver] = []
+
+    def make(net: MemoryNetwork, planes=("nixl",), clock=time.monotonic) -> ConsumerDriver:
+        region = HostRegion(4 * ROWS, BB)
+        loaded = load_planes(tuple(planes), node_id="driver-test", region=region, public_key=None)
+        config = ConsumerConfig(node_id="driver-test", compat_hash=LAYOUT.compat_hash,
+                                planes=tuple(planes),
+                                localities=tuple((n, p.locality()) for n, p in loaded.items()))
+        d = ConsumerDriver(MemoryControlClient(net), loaded, region,
+                           BlockStore(region.num_blocks, BB), LAYOUT, config, own_region=True,
+                           clock=clock)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        with d.lock:
+            d.shutdown()
+        d.close_resources()
+
+
+def _drive(consumer: ConsumerDriver, producer: ProducerNode, fut: Future, timeout_s: float = 20.0):
+    """One thread steps both sides until ``fut`` resolves (as a scheduler loop would)."""
+    limit = time.monotonic() + timeout_s
+    while not fut.done() and time.monotonic() < limit:
+        with consumer.lock:
+            consumer.step()
+        producer.driver.step()
+    return fut.result(timeout=0)
+
+
+@pytest.mark.parametrize("plane", ["nixl", "tcp"])
+def test_one_thread_steps_both_drivers_through_a_fetch(closing, consumer_driver, plane):
+    net = MemoryNetwork()
+    p = _producer(closing, net, planes=(plane,))
+    a = _rows(1)
+    assert p.put("a", a)
+    d = consumer_driver(net, (plane,))
+    fut: Future = Future()
+    d.post(StartFetch(ADDR, "a", d.clock() + 20.0, fut))
+    out = _drive(d, p, fut)
+    assert isinstance(out, Fetched), out
+    assert out.plane == plane and np.array_equal(out.data, a.reshape(-1))
+    with d.lock:
+        assert d.gauges()["free_blocks"] < d.store.num_blocks  # held by the zero-copy result
+    del out, fut
+    with d.lock:
+        d.step()  # the finalizer returned the blocks at once (nobody held the lock)
+        assert d.gauges()["free_blocks"] == d.store.num_blocks
+    # the producer learns of completion from the consumer's XferDone at its next step
+    limit = time.monotonic() + 20.0
+    while p.stats()["completed"] < 1 and time.monotonic() < limit:
+        p.driver.step()
+    assert p.stats()["completed"] == 1 and p.stats()["pinned_bytes"] == 0
+
+
+def test_a_release_queued_while_someone_drives_is_taken_at_the_next_step(consumer_driver):
+    d = consumer_driver(MemoryNetwork())
+    e = d.store.alloc("landed#1", 3 * BB)
+    d.store.mark_ready("landed#1")
+    d.store.pin_if_ready("landed#1")
+    with d.lock:  # someone drives: the finalizer must not block, it queues
+        d.release_later("landed#1", e.entry_id)
+        assert d.inbox == type(d.inbox)([ReleaseFetched("landed#1", e.entry_id)])
+        d.step(now=0.0)
+        assert "landed#1" not in d.store and not d.inbox
+
+
+def test_an_unanswered_fetch_misses_exactly_at_its_deadline_on_the_drivers_clock(consumer_driver):
+    """No producer listens: the fetch ends as a miss when the clock the test sets passes its
+    deadline — not before, whatever the wall clock says."""
+    now = [100.0]
+    d = consumer_driver(MemoryNetwork(), clock=lambda: now[0])
+    fut: Future = Future()
+    d.post(StartFetch(ADDR, "a", 103.0, fut))
+    with d.lock:
+        for t in (100.0, 101.0, 102.9):
+            now[0] = t
+            d.step(now=t)
+            assert not fut.done()
+            assert d.gauges()["in_flight"] == 1
+        now[0] = 103.0
+        d.step(now=103.0)
+    out = fut.result(timeout=0)
+    assert isinstance(out, Miss) and out.reason is MissReason.TIMEOUT, out
+
+
+def test_snapshot_is_answered_by_the_driving_thread(consumer_driver):
+    d = consumer_driver(MemoryNetwork())
+    fut: Future = Future()
+    d.post(Snapshot(fut))
+    with d.lock:
+        d.step(now=0.0)
+    assert fut.result(timeout=0) == {"producers": 0, "in_flight": 0, "quarantined_peers": 0,
+                                     "quarantined_transfers": 0,
+                                     "free_blocks": d.store.num_blocks}
+
+
+@pytest.mark.parametrize(("producer_planes", "consumer_planes", "chosen"), [
+    (("nixl", "tcp"), ("ucx", "tcp"), "tcp"),       # the only common plane
+    (("tcp", "nixl"), ("nixl", "tcp"), "nixl"),     # the consumer's preference wins
+])
+def test_best_common_plane_is_chosen(closing, producer_planes, consumer_planes, chosen):
+    pytest.importorskip("ucxx") if "ucx" in consumer_planes else None
+    net = MemoryNetwork()
+    p = _producer(closing, net, planes=producer_planes).start()
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=4 * ROWS * BB, planes=consumer_planes,
+                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    rows = _rows(5, 37)
+    assert p.put("m", rows)
+    assert c.connect(ADDR, timeout_s=20.0) == chosen
+    got = c.fetch(ADDR, "m", timeout_s=20.0)
+    assert isinstance(got, Fetched) and got.plane == chosen, got
+    assert np.array_equal(got.data, rows.reshape(-1))
+
+
+@pytest.mark.parametrize(("case", "want"), [("planes", NoCommonPlane), ("layout", ProtocolError)])
+def test_connect_names_the_refusal_by_type(closing, case, want):
+    """Disjoint planes → NoCommonPlane; another layout → ProtocolError (not NoCommonPlane: the
+    Welcome's compatibility hash differs from ours), whatever the detail text says."""
+    net = MemoryNetwork()
+    p = _producer(closing, net, planes=("nixl",)).start()
+    c = closing(ConsumerNode(layout=Layout(hidden=512) if case == "layout" else LAYOUT,
+                             region_bytes=4 << 20, planes=("tcp",) if case == "planes" else ("nixl",),
+                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    with pytest.raises(want) as err:
+        c.connect(ADDR, timeout_s=20.0)
+    assert type(err.value) is want
+    miss = c.fetch(ADDR, "m", timeout_s=20.0)
+    assert isinstance(miss, Miss) and miss.reason is MissReason.INCOMPATIBLE, miss
+    assert p.stats()["grants"] == 0
+
+
+def test_stats_is_one_consistent_copy_while_fetches_run(closing):
+    """stats() from another thread while the I/O thread drives: never torn, never an error."""
+    net = MemoryNetwork()
+    p = _producer(closing, net, planes=("tcp",)).start()
+    for i in range(4):
+        assert p.put(f"e{i}", _rows(i, 4))
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=64 * ROWS * BB, planes=("tcp",),
+                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    stop, seen, errors = threading.Event(), [], []
+
+    def watch():
+        while not stop.is_set():
+            try:
+                st = c.stats()
+            except Exception as e:  # noqa: BLE001 - the assertion below reports it
+                errors.append(e)
+                return
+            seen.append(st)
+            assert set(st) == {"producers", "in_flight", "quarantined_peers",
+                               "quarantined_transfers", "free_blocks"}
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        futs = [c.submit(ADDR, f"e{i % 4}", timeout_s=20.0) for i in range(40)]
+        outs = [f.result(timeout=30.0) for f in futs]
+        assert all(isinstance(o, Fetched) for o in outs), outs
+        del outs, futs
+    finally:
+        stop.set()
+        t.join(timeout=30.0)
+    assert not errors, errors
+    assert seen and all(0 <= st["in_flight"] <= 40 for st in seen)
+    assert wait_for(lambda: c.stats()["in_flight"] == 0)
+
+
+# -- the producer's driver on a clock the test sets -----------------------------------------------
+class _RawMemoryConsumer:
+    """A hand-rolled ECTP consumer on the memory pair; every exchange steps the producer's driver
+    at the time the test names."""
+
+    def __init__(self, net: MemoryNetwork, p: ProducerNode):
+        self.client = MemoryControlClient(net)
+        self.conn = self.client.connect(HOST, PORT, None)
+        self.p = p
+        self.session_id = "raw" + "0" * 29
+        self.v = max(SUPPORTED_VERSIONS)
+
+    def exchange(self, msg, now: float) -> list:
+        if msg is not None:
+            assert self.client.send(self.conn, encode(msg))
+        self.p.driver.step(now=now)
+        return [decode(ev.data, versions=SUPPORTED_VERSIONS)
+                for ev in self.client.poll(0.0) if isinstance(ev, Received)]
+
+
+LEASE_S = 1.0
+
+
+def _granted(closing) -> tuple[ProducerNode, _RawMemoryConsumer, XferAck]:
+    """A producer (lease LEASE_S, grace 0.5 s) that granted "a" to a raw consumer at t = 0."""
+    net = MemoryNetwork()
+    p = _producer(closing, net, lease_s=LEASE_S, grace_s=0.5)
+    assert p.put("a", _rows(3))
+    raw = _RawMemoryConsumer(net, p)
+    (w,) = raw.exchange(Hello(v=raw.v, session_id=raw.session_id, node_id="raw",
+                              versions=list(SUPPORTED_VERSIONS), planes=["nixl"],
+                              compat_hash=LAYOUT.compat_hash, mem_kinds=["DRAM"]), now=0.0)
+    assert isinstance(w, Welcome) and w.status is Status.OK, w
+    (ack,) = raw.exchange(XferReq(v=raw.v, session_id=raw.session_id, mm_hash="a",
+                                  compat_hash=LAYOUT.compat_hash, dest=b""), now=0.0)
+    assert isinstance(ack, XferAck) and ack.status is Status.OK, ack
+    return p, raw, ack
+
+
+def test_an_abandoned_grant_expires_exactly_one_lease_after_it_was_issued(closing):
+    p, raw, _ = _granted(closing)
+    raw.exchange(None, now=LEASE_S - 0.01)
+    assert p.stats()["active_grants"] == 1 and p.lookup("a").pins == 1  # not cut short
+    raw.exchange(None, now=LEASE_S + SWEEP_S + 0.01)  # timers are swept every SWEEP_S
+    st = p.stats()
+    assert st["active_grants"] == 0 and st["expired"] == 1, st
+    raw.exchange(None, now=LEASE_S + 0.5 + 2 * SWEEP_S)  # the grace period is over
+    assert p.stats()["pinned_bytes"] == 0 and p.lookup("a").pins == 0, p.stats()
+
+
+def test_renewals_keep_a_grant_then_it_expires_one_lease_after_the_last(closing):
+    p, raw, ack = _granted(closing)
+    t = 0.0
+    for _ in range(10):  # renew every quarter lease: 2.5 leases in all
+        t += LEASE_S / 4
+        raw.exchange(Renew(v=raw.v, session_id=raw.session_id,
+                           grant_ids=[ack.grant.grant_id], extend_s=LEASE_S), now=t)
+        assert p.stats()["active_grants"] == 1, (t, p.stats())
+    raw.exchange(None, now=t + LEASE_S - 0.1)
+    assert p.stats()["active_grants"] == 1, p.stats()
+    raw.exchange(None, now=t + LEASE_S + 0.1)
+    st = p.stats()
+    assert st["active_grants"] == 0 and st["expired"] == 1 and st["completed"] == 0, st
+    assert p.lookup("a").pins == 1  # the grace period holds the blocks (ECTP §6.3) ...
+    raw.exchange(None, now=t + LEASE_S + 0.7)
+    assert p.lookup("a").pins == 0  # ... and then they are free
+
+
+def test_a_caller_may_step_a_running_node_itself(closing):
+    """ConsumerNode.step(): a scheduler's thread drives a round when nobody else does; outcomes
+    are the same whoever drives."""
+    net = MemoryNetwork()
+    p = _producer(closing, net, planes=("tcp",)).start()
+    a = _rows(9)
+    assert p.put("a", a)
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=4 * ROWS * BB, planes=("tcp",),
+                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    fut = c.submit(ADDR, "a", timeout_s=20.0)
+    limit = time.monotonic() + 20.0
+    while not fut.done() and time.monotonic() < limit:
+        c.step()  # False while the I/O thread holds the lock: then it drives
+    out = fut.result(timeout=0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, a.reshape(-1)), out
+    c.close()
+    assert c.step() is False  # nothing drives a closed node
