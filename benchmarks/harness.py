@@ -9,8 +9,11 @@ reversed on odd reps to cancel drift). Phases:
 * ``baselines``: memcpy and safetensors, nothing else open;
 * ``<plane>-curve`` / ``<plane>-plain``: one ProducerNode offering only that plane + the plane's
   raw endpoint; latency per size (and, CURVE on, pipelined throughput) of ect-<plane> A/B with
-  raw-<plane>; for nixl the raw endpoint is then closed and a pyzmq echo opened for the
-  control-plane round trip;
+  raw-<plane> — and, where this build speaks ECTP v2 (issue 16), A/B/C with ect-<plane>-v1 (a
+  consumer configured ``versions=(1,)``: the v1 path, against the same producer); then (CURVE
+  on, 1 MiB in the run) a batch of 8 × 1 MiB: one ``submit_many`` (one ReqBatch on v2) vs 8 raw
+  READs posted together (and the v1 path's 8 XferReqs); for nixl the raw endpoint is then closed
+  and a pyzmq echo opened for the control-plane round trip;
 * ``solo-*``: 8.8 MiB with ect-nixl alone, raw-nixl alone, and raw-nixl-spin (agents with NIXL's
   default, spinning progress thread) alone;
 * ``nixl-scope`` / ``scope-micro``: the NIXL plane with ``grant_scope="grant"`` A/B with
@@ -75,6 +78,17 @@ SIZES = {  # label -> target bytes (rounded to whole rows of BLOCK bytes)
 #: this long between passes), so an A/B differs only by ectransport. NIXL's Python default (0:
 #: the progress thread spins, ~1 core per agent) is measured alone as ``raw-nixl-spin``.
 RAW_NIXL_DELAY_US = 100
+
+
+def _has_v2() -> bool:
+    from ectransport.protocol import SUPPORTED_VERSIONS
+
+    return 2 in SUPPORTED_VERSIONS
+
+
+#: This build speaks ECTP v2: the v1 path (a consumer configured ``versions=(1,)``) is measured
+#: A/B with the default (v2) one.
+HAS_V2 = _has_v2()
 
 TARGETS = {
     "single_8.8MiB_vs_raw_nixl": 1.25,
@@ -313,8 +327,10 @@ FETCH_PHASES = ("req", "ack", "posted", "landed", "total")
 
 class EctPath:
     def __init__(self, name: str, plane: str, curve: bool, ect: dict, consumer_secret: str,
-                 sizes: list[int], max_k: dict[int, int]):
-        """``ect``: what the server's ``open kind=ect`` answered (port, public_key)."""
+                 sizes: list[int], max_k: dict[int, int], versions: tuple[int, ...] | None = None):
+        """``ect``: what the server's ``open kind=ect`` answered (port, public_key);
+        ``versions``: the ECTP versions the consumer speaks (None: the build's; ``(1,)``: the v1
+        path)."""
         from ectransport.node.common import Layout, Security
         from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
@@ -324,9 +340,10 @@ class EctPath:
         # landing region: max_k[i] entries of size i in flight, plus one being given back
         need = max(-(-sizes[i] // BLOCK) * (k + 1) for i, k in max_k.items())
         with nixl_env() if plane == "nixl" else contextlib.nullcontext():
+            kw = {} if versions is None else {"versions": versions}
             self.node = ConsumerNode(layout=Layout(hidden=HIDDEN),
                                      region_bytes=need * BLOCK + BLOCK, security=sec,
-                                     planes=(plane,), fetch_timeout_s=60.0)
+                                     planes=(plane,), fetch_timeout_s=60.0, **kw)
         self.node.connect(self.addr, timeout_s=30.0)
         self.transport = self.node.plane_transports().get(plane, plane)
         self.rtts: list[float] = []
@@ -350,6 +367,20 @@ class EctPath:
                     prev = t[ph]
             mine.setdefault("wall", []).append(dt)
         del out  # zero copy: dropping the Fetched returns its blocks to the region
+        return dt
+
+    def batch(self, i: int, n: int) -> float:
+        """n distinct entries of size i asked for together (``fetch_many``: one ReqBatch on
+        ECTP v2, n XferReqs on v1; driven on this thread, as ``one`` drives ``fetch``), until
+        all landed; wall seconds."""
+        t0 = time.perf_counter()
+        outs = self.node.fetch_many(self.addr, [f"s{i}-c{slot}" for slot in range(n)])
+        dt = time.perf_counter() - t0
+        bad = [r for r in outs if not r.ok]
+        if bad:
+            raise RuntimeError(f"{self.name}: batch fetch missed: {bad[0].reason} "
+                               f"{bad[0].detail}")
+        del outs  # the Fetched hold their landing blocks: drop them first
         return dt
 
     def window(self, i: int, k: int, m: int) -> float:
@@ -790,7 +821,7 @@ def run(cfg: Config) -> dict:
         server = Server(cfg, sizes, tmp)
         log(f"producer process {server.info['pid']} ready in {time.perf_counter() - t0:.1f} s")
         max_k = {i: min(max(cfg.inflight or [1]), copies_of(n)) for i, n in enumerate(sizes)}
-        slots = max([1, *max_k.values()])
+        slots = max([1, *max_k.values()] + ([BATCH_N] if "1MiB" in labels else []))
 
         # phase: memcpy and safetensors (nothing open in either process)
         with Phase(result, server, "baselines"):
@@ -817,11 +848,17 @@ def run(cfg: Config) -> dict:
                     ect = ph.add(EctPath(name, plane, curve, info, server.consumer_secret, sizes,
                                          max_k if curve else dict.fromkeys(max_k, 1)))
                     result["transports"][name] = ect.transport
+                    v1 = None
+                    if curve and HAS_V2:  # the v1 path against the same producer (issue 16)
+                        v1 = ph.add(EctPath(f"{name}-v1", plane, curve, info,
+                                            server.consumer_secret, sizes, max_k, versions=(1,)))
+                        result["transports"][v1.name] = v1.transport
                     raw = _open_raw(ph, result, plane, sizes, slots)
                     if raw is not None:
                         raw.name = rawname
                     ph.running()
-                    paths = [ect] + ([raw] if raw is not None else [])
+                    paths = [ect] + ([v1] if v1 is not None else []) + \
+                        ([raw] if raw is not None else [])
                     for i, lb in enumerate(labels):
                         t0 = time.perf_counter()
                         reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
@@ -831,6 +868,8 @@ def run(cfg: Config) -> dict:
                             f"{time.perf_counter() - t0:.1f} s")
                     if curve:
                         _throughput(cfg, result, paths, labels, sizes)
+                    if curve and "1MiB" in labels:
+                        _batch(cfg, result, labels.index("1MiB"), "1MiB", ect, v1, raw)
                     if plane == rtt_plane:
                         # control round trip: the ProducerNode + a pyzmq echo, nothing else
                         if raw is not None:
@@ -887,6 +926,33 @@ def _throughput(cfg: Config, result: dict, paths: list, labels: list[str],
             by_k.setdefault(str(k), {"inflight": kk}).update(r)
             log(f"throughput {lb} k={kk} {[p.name for p in paths]}: "
                 f"{time.perf_counter() - t0:.1f} s")
+
+
+#: Entries per batch in the batch phase (issue 16: 8 × 1 MiB in one request).
+BATCH_N = 8
+
+
+def _batch(cfg: Config, result: dict, i: int, size_label: str, ect: EctPath,
+           v1: EctPath | None, raw) -> None:
+    """8 entries of size ``i`` fetched together (``EctPath.batch``: one ReqBatch on v2, 8
+    XferReqs on the v1 path) A/B with 8 raw READs posted together (``raw.window(i, 8, 8)``),
+    interleaved and alternated as the latency phases; ``result["batch"][label][path]``."""
+    label = f"{BATCH_N}x{size_label}"
+    paths = [(ect.name, lambda: ect.batch(i, BATCH_N))]
+    if v1 is not None:
+        paths.append((v1.name, lambda: v1.batch(i, BATCH_N)))
+    if raw is not None and hasattr(raw, "window"):
+        paths.append((raw.name, lambda: raw.window(i, BATCH_N, BATCH_N)))
+    samples: dict[str, list[float]] = {n: [] for n, _ in paths}
+    t0 = time.perf_counter()
+    for rep in range(cfg.warmup + cfg.reps):
+        for name, fn in (paths if rep % 2 == 0 else paths[::-1]):
+            dt = fn()
+            if rep >= cfg.warmup:
+                samples[name].append(dt)
+    result.setdefault("batch", {}).setdefault(label, {}).update(
+        {n: stats(v) for n, v in samples.items()})
+    log(f"batch {label} {[n for n, _ in paths]}: {time.perf_counter() - t0:.1f} s")
 
 
 def _solo(cfg: Config, result: dict, server: Server, i: int, sizes: list[int]) -> None:

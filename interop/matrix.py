@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ectransport.protocol import SUPPORTED_VERSIONS
 from interop.spec import (
     VLLM_STOCK,
     VLLM_WIRE,
@@ -138,29 +139,67 @@ def same_namespace_cells() -> list[Cell]:
     return cells
 
 
+#: The highest ECTP version this build speaks, and a version beyond it (an emulated claim: a
+#: newer node made by override, which fails the golden-vector check by design).
+HIGHEST = max(SUPPORTED_VERSIONS)
+FUTURE = HIGHEST + 1
+#: A small entry (64 KiB: inline on a v2 session at the default threshold) for the v1 × v2 cells.
+E0 = Entry("e0-64KiB", 32, 10)
+
+
 def version_cells() -> list[Cell]:
     return [
-        Cell("versions disjoint: producer v1, consumer v2*", "versions",
+        Cell(f"versions disjoint: producer v1, consumer v{FUTURE}*", "versions",
              "no common version: connect raises VersionError, a fetch misses VERSION",
-             P(), (C(versions=(2,), emulated=True),), (E1,),
+             P(versions=(1,)), (C(versions=(FUTURE,), emulated=True),), (E1,),
              refusal("error:VersionError", "miss:VERSION"), ci=True),
-        Cell("versions disjoint: producer v2*, consumer v1", "versions",
+        Cell(f"versions disjoint: producer v{FUTURE}*, consumer v1", "versions",
              "an older consumer against a newer-only producer is refused the same way",
-             P(versions=(2,), emulated=True), (C(),), (E1,),
+             P(versions=(FUTURE,), emulated=True), (C(versions=(1,)),), (E1,),
              refusal("error:VersionError", "miss:VERSION")),
-        Cell("versions overlap: producer v1, consumer v1,v2*", "versions",
-             "overlapping ranges negotiate the highest common version (v1) and work",
-             P(), (C(versions=(1, 2), emulated=True),), (E1, E2),
-             (Step("connect", 0, "", ok("nixl")), *fetches(E1, E2)), ci=True),
-        Cell("versions overlap: producer v1,v2*, consumer v1", "versions",
-             "a newer producer still serves a v1 consumer",
-             P(versions=(1, 2), emulated=True), (C(),), (E1, E2),
-             (Step("connect", 0, "", ok("nixl")), *fetches(E1, E2))),
-        Cell("versions: unvetted v2 claim refused", "versions",
-             "a node claiming v2 without v2 golden vectors fails the vector check and is refused",
-             P(versions=(1, 2)), (C(),), (E1,), (),
+        Cell(f"versions overlap: producer default, consumer ..v{FUTURE}*", "versions",
+             f"overlapping ranges negotiate the highest common version (v{HIGHEST}) and work",
+             P(), (C(versions=(*SUPPORTED_VERSIONS, FUTURE), emulated=True),), (E1, E2),
+             (Step("connect", 0, "", ok("nixl", HIGHEST)), *fetches(E1, E2)), ci=True),
+        Cell(f"versions overlap: producer ..v{FUTURE}*, consumer default", "versions",
+             "a newer producer still serves this build's consumer",
+             P(versions=(*SUPPORTED_VERSIONS, FUTURE), emulated=True), (C(),), (E1, E2),
+             (Step("connect", 0, "", ok("nixl", HIGHEST)), *fetches(E1, E2))),
+        Cell(f"versions: unvetted v{FUTURE} claim refused", "versions",
+             f"a node claiming v{FUTURE} without its golden vectors fails the vector check and "
+             "is refused",
+             P(versions=(*SUPPORTED_VERSIONS, FUTURE)), (C(),), (E1,), (),
              producer_expect=Expect(("refused:VectorCheckFailed",)), ci=True),
     ]
+
+
+def v1_v2_cells() -> list[Cell]:
+    """Real v1 × v2 cells (issue 16): a node *configured* to speak v1 only (``versions=(1,)``,
+    which passes the v1 vectors: no emulation) against a default node, in both directions, and
+    two default nodes, per plane. The highest common version is negotiated (v1 across, the
+    build's highest between defaults); single fetches and a ``fetch_many`` of a small (inline on
+    v2), a one-row, a 1 MiB and a 4 MiB entry land byte-exact on either version."""
+    cells = []
+
+    def steps(plane: str, v: int) -> tuple[Step, ...]:
+        every = (E0, E1, E2, E3)
+        return (Step("connect", 0, "", ok(plane, v), 8.0), *fetches(*every, expect=ok(plane)),
+                Step("fetch_many", 0, ",".join(e.mm_hash for e in every), ok(plane, v), 15.0))
+    for plane in ("nixl", "ucx", "tcp", "shm"):
+        host = {"host": LO_P} if plane == "shm" else {}
+        chost = {"host": LO_C} if plane == "shm" else {}
+        ci = plane in ("nixl", "tcp")
+        for pv, cv in (((1,), None), (None, (1,)), (None, None)):
+            v = 1 if (pv or cv) else HIGHEST
+            pl, cl = ("v1" if pv else "default"), ("v1" if cv else "default")
+            cells.append(Cell(
+                f"v1 x v2: producer {pl}, consumer {cl} over {plane}", "v1-v2",
+                f"producer {pl} × consumer {cl}: v{v} negotiated over {plane}; fetches and a "
+                "fetch_many byte-exact",
+                P(planes=(plane,), versions=pv, **host),
+                (C(planes=(plane,), versions=cv, **chost),), (E0, *ENTRIES), steps(plane, v),
+                ci=ci))
+    return cells
 
 
 def curve_cells() -> list[Cell]:
@@ -311,7 +350,8 @@ def vllm_cells() -> list[Cell]:
 
 
 def all_cells() -> list[Cell]:
-    return [*plane_cells(), *same_namespace_cells(), *version_cells(), *curve_cells(),
+    return [*plane_cells(), *same_namespace_cells(), *version_cells(), *v1_v2_cells(),
+            *curve_cells(),
             *compat_cells(), *size_cells(), *fanout_cells(), *restart_cells(), *vllm_cells()]
 
 

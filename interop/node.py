@@ -203,7 +203,37 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             return {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
                     "seconds": time.monotonic() - t0}
-        return {"outcome": "ok", "plane": plane, "seconds": time.monotonic() - t0}
+        s = node.session(self._address(cmd, spec))
+        return {"outcome": "ok", "plane": plane, "seconds": time.monotonic() - t0,
+                "version": getattr(s, "version", None)}
+
+    def op_consumer_fetch_many(self, cmd: dict) -> dict:
+        """``fetch_many`` of several entries (ECTP nodes): ok iff every one landed byte-exact;
+        ``version``: the session's negotiated ECTP version."""
+        node, spec = self.nodes[cmd["id"]], self.specs[cmd["id"]]
+        entries = [Entry(**e) for e in cmd["entries"]]
+        t0 = time.monotonic()
+        res: dict = {"outcome": "ok", "bytes_ok": True}
+        try:
+            addr = self._address(cmd, spec)
+            outs = node.fetch_many(addr, [e.mm_hash for e in entries],
+                                   timeout_s=float(cmd["timeout_s"]))
+            for e, out in zip(entries, outs, strict=True):
+                if not out.ok:
+                    res = {"outcome": f"miss:{out.reason.name}", "detail": f"{e.mm_hash}: "
+                           f"{out.detail}"}
+                    break
+                want = rows_for(e, spec.block_bytes)
+                res["plane"] = out.plane
+                if out.nbytes != want.nbytes or digest(out.data) != digest(want):
+                    res["bytes_ok"] = False
+            del outs
+            res["version"] = getattr(node.session(addr), "version", None)
+        except Exception as e:  # noqa: BLE001
+            res = {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
+                   "trace": traceback.format_exc()[-800:]}
+        res["seconds"] = time.monotonic() - t0
+        return res
 
     def op_consumer_fetch(self, cmd: dict) -> dict:
         node, spec = self.nodes[cmd["id"]], self.specs[cmd["id"]]
@@ -278,7 +308,9 @@ def main() -> int:
     w = Worker()
     ops = {"hello": w.op_hello, "vectors": w.op_vectors, "producer.start": w.op_producer_start,
            "consumer.open": w.op_consumer_open, "consumer.connect": w.op_consumer_connect,
-           "consumer.fetch": w.op_consumer_fetch, "stats": w.op_stats, "close": w.op_close}
+           "consumer.fetch": w.op_consumer_fetch,
+           "consumer.fetch_many": w.op_consumer_fetch_many, "stats": w.op_stats,
+           "close": w.op_close}
     for line in sys.stdin:
         if not line.strip():
             continue

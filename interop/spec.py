@@ -124,6 +124,8 @@ class Expect:
     plane: str | None = None
     loopback: tuple[str, ...] | None = None
     loopback_plane: str | None = None
+    #: the ECTP version an ``ok`` connect/fetch_many must have negotiated (None: not checked)
+    version: int | None = None
 
     def allowed(self, mode: str) -> tuple[str, ...]:
         if mode == "loopback" and self.loopback is not None:
@@ -139,11 +141,12 @@ class Expect:
     def label(self, mode: str) -> str:
         s = "|".join(self.allowed(mode))
         plane = self.plane_for(mode)
-        return f"{s} via {plane}" if plane else s
+        s = f"{s} via {plane}" if plane else s
+        return f"{s} at v{self.version}" if self.version is not None else s
 
 
-def ok(plane: str | None = None) -> Expect:
-    return Expect(("ok",), plane)
+def ok(plane: str | None = None, version: int | None = None) -> Expect:
+    return Expect(("ok",), plane, version=version)
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,9 @@ class Step:
 
     ops: ``connect`` / ``fetch`` (consumer ``who``: index, or -1 for all consumers in parallel),
     ``fetch_until_ok`` (retry up to ``timeout_s``), ``kill_producer`` (SIGKILL its process),
-    ``start_producer`` (again, same port and keys). ``mm_hash`` names an :class:`Entry` (or an
-    unknown key for a miss).
+    ``start_producer`` (again, same port and keys), ``fetch_many`` (the consumer's
+    ``fetch_many`` of several entries, ``mm_hash`` their names joined by ``,``: ok when every one
+    landed byte-exact). ``mm_hash`` names an :class:`Entry` (or an unknown key for a miss).
     """
 
     op: str

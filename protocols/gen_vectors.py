@@ -1,4 +1,4 @@
-"""Generate (or check) the ECTP v1 golden vectors under ``protocols/vectors/v1/``.
+"""Generate (or check) the ECTP golden vectors under ``protocols/vectors/v1/`` and ``v2/``.
 
 Usage::
 
@@ -8,7 +8,12 @@ Usage::
 Every *valid* vector is defined below by its field values (literals, not derived from the code's
 defaults) and encoded with :func:`ectransport.protocol.encode`; the bytes are written as one line of
 lowercase hex to ``<name>.msgpack.hex``. Every *invalid* vector is built by editing the msgpack map
-of a valid frame (or by hand) and is listed with the NACK status a decoder must answer with.
+of a valid frame (or by hand) and is listed with the NACK status a decoder must answer with, and
+the versions it is decoded with.
+
+``vectors/v1/`` holds the frames of ECTP v1 (unchanged since v1: a v1 node passes them as
+before); ``vectors/v2/`` holds what v2 adds — the ``ReqBatch``/``AckBatch``/``Parked`` frames,
+the Hello and Welcome of a v2 negotiation, v1 frames at ``v = 2`` — and the frames a decoder must refuse.
 
 JSON convention of ``index.json``: a field whose msgpack type is ``bin`` is written as the string
 ``"hex:"`` followed by the lowercase hex of its bytes (``"hex:"`` alone is an empty byte string);
@@ -29,11 +34,19 @@ import msgspec
 
 from ectransport.protocol import (
     KINDS,
+    MAX_BATCH_ITEMS,
+    MAX_INLINE_BYTES,
+    SINCE,
+    AckBatch,
+    AckItem,
     Grant,
     Hello,
     Message,
     Nack,
+    Parked,
     Renew,
+    ReqBatch,
+    ReqItem,
     Status,
     Welcome,
     XferAck,
@@ -42,7 +55,8 @@ from ectransport.protocol import (
     encode,
 )
 
-ROOT = Path(__file__).resolve().parent / "vectors" / "v1"
+VECTORS = Path(__file__).resolve().parent / "vectors"
+ROOT = VECTORS / "v1"
 
 SID = "0f3c9a7e5b2d4c18a6e1f09b7d3c5a21"  # a UUID4 hex, as the reference consumer draws it
 MM = "9b1d0e6c2f4a8b7e3d5c1a0f9e8d7c6b5a493827161504f3e2d1c0b0a9f8e7d6"  # a SHA-256 hex mm_hash
@@ -208,6 +222,176 @@ INVALID: dict[str, tuple[bytes, Status, str | None, str]] = {
 }
 
 
+# -- ECTP v2 (ectp-v2.md) ---------------------------------------------------------------------------
+
+MM2 = "4e8a1f0c7b3d5e9a2c6f8b1d0e7a3c5f9b2d4e6a8c0f1e3d5b7a9c2e4f6a8b0c"  # a second entry
+MM3 = "c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2"  # a third entry
+BATCH = 0x2C41E9D3A0B75F18  # a batch id as the reference consumer draws it (63 bits)
+GID2 = 0x3E5B7F1A9C2D4E60
+NIXL_GRANT2 = msgspec.msgpack.encode({
+    "type": "nixl/1",
+    "agent": "producer-0-1a2b3c4d",
+    "meta": bytes(range(16)),
+    "mem_kind": "DRAM",
+    "dev_id": 0,
+    "descs": [[140183574564864, 12288]],
+})
+#: 64 bytes inline: 32 bf16 values (one block of a toy layout with hidden = 32)
+INLINE = bytes((7 * i + 3) % 256 for i in range(64))
+
+
+def _grant(gid: int, entry_bytes: int, num_blocks: int, plane_grant: bytes) -> Grant:
+    return Grant(grant_id=gid, entry_bytes=entry_bytes, num_blocks=num_blocks, block_bytes=4096,
+                 lease_s=30.0, plane="nixl", plane_grant=plane_grant)
+
+
+def _item(mm: str, status: Status, detail: str = "", grant: Grant | None = None,
+          data: bytes = b"") -> AckItem:
+    return AckItem(mm_hash=mm, status=status, grant=grant, data=data, detail=detail)
+
+
+def _acks(*items: AckItem, batch_id: int = BATCH) -> AckBatch:
+    return AckBatch(v=2, session_id=SID, batch_id=batch_id, items=list(items))
+
+
+DUP_DETAIL = f"mm_hash {MM!r} appears more than once in the batch: name each entry once"
+
+
+def _reqs(*mms: str, wait_s: float = 5.0, inline_max: int = 65536,
+          dest: bytes = b"") -> ReqBatch:
+    return ReqBatch(v=2, session_id=SID, batch_id=BATCH, compat_hash=COMPAT, wait_s=wait_s,
+                    inline_max=inline_max, items=[ReqItem(mm_hash=m, dest=dest) for m in mms])
+
+
+VALID_V2: dict[str, tuple[Message, str]] = {
+    "hello_v2": (Hello(v=2, session_id=SID, node_id="consumer-0", versions=[1, 2],
+                       planes=["nixl"], compat_hash=COMPAT, mem_kinds=["DRAM"]),
+                 "A consumer speaking v1 and v2 (the Hello body is v1's)."),
+    "welcome_v2": (Welcome(v=2, session_id=SID, node_id="producer-0", status=Status.OK, version=2,
+                           plane="nixl", versions=[1, 2], planes=["nixl"], compat_hash=COMPAT,
+                           detail=""),
+                   "Negotiated v2 (the highest common version)."),
+    "welcome_v1_from_v2": (Welcome(v=2, session_id=SID, node_id="producer-0", status=Status.OK,
+                                   version=1, plane="nixl", versions=[1, 2], planes=["nixl"],
+                                   compat_hash=COMPAT, detail=""),
+                           ("A v1+v2 producer answering a v1-only consumer: the session speaks "
+                            "v1, byte for byte.")),
+    "reqs": (_reqs(MM, MM2, MM3),
+             ("Three entries in one frame; items not ready may wait up to 5 s; entries up to "
+              "64 KiB may come inline.")),
+    "reqs_no_wait_no_inline": (_reqs(MM, wait_s=0.0, inline_max=0,
+                                     dest=bytes.fromhex("00ff10207f80fe")),
+                               ("One entry, answered at once (NOT_READY as in v1), never "
+                                "inline; a push plane's dest.")),
+    "acks_multi": (_acks(
+        _item(MM, Status.OK, grant=_grant(GID, 11264, 3, NIXL_GRANT)),
+        _item(MM2, Status.OK, data=INLINE),
+        _item(MM3, Status.NACK_MISSING, "not in this producer's cache")),
+        "The frame answering a batch at once: a grant, an inline entry and a miss."),
+    "acks_inline": (_acks(_item(MM2, Status.OK, data=INLINE)),
+                    "One entry inline: its 64 bytes, no grant, nothing to read or complete."),
+    "acks_waited": (_acks(_item(MM3, Status.OK, grant=_grant(GID2, 12288, 3, NIXL_GRANT2))),
+                    "A later frame of the same batch: the waiting entry was committed."),
+    "acks_not_ready": (_acks(_item(MM3, Status.NACK_NOT_READY,
+                                   "entry allocated, save not landed after waiting 5 s")),
+                       "The waiting entry was not committed within the wait."),
+    "acks_busy_bad_request": (_acks(
+        _item(MM, Status.NACK_BUSY, "pin budget: 8192+12288 > 16384 bytes"),
+        _item(MM2, Status.NACK_BAD_REQUEST,
+              "entry needs 1048576 bytes pinned, more than this consumer's whole pin budget of "
+              "524288 bytes: it can never be granted (raise the producer's budget_bytes)"),
+        _item(MM3, Status.NACK_INTERNAL, "plane error: RuntimeError")),
+        "Per-item NACKs: the budget (retryable), terminal refusals."),
+    "acks_refused": (_acks(
+        _item(MM, Status.NACK_BAD_REQUEST, DUP_DETAIL),
+        _item(MM, Status.NACK_BAD_REQUEST, DUP_DETAIL)),
+        "A batch refused as a whole (here: an mm_hash named twice): every item, same NACK."),
+    "acks_incompat": (_acks(_item(MM, Status.NACK_INCOMPAT, "compatibility hash mismatch"),
+                            _item(MM2, Status.NACK_INCOMPAT, "compatibility hash mismatch")),
+                      "A batch with a foreign compatibility hash."),
+    "acks_version": (_acks(_item(MM, Status.NACK_VERSION,
+                                 "frame version 1 not acceptable here (expected one of [2])")),
+                     "A batch frame with the wrong version on a v2 session."),
+    "park": (Parked(v=2, session_id=SID, batch_id=BATCH, items=[MM3], wait_s=5.0),
+             ("Sent with the frame answering a batch at once: its item whose entry is reserved "
+              "but not ready waits, for the 5 s asked for.")),
+    "park_capped": (Parked(v=2, session_id=SID, batch_id=BATCH, items=[MM2, MM3], wait_s=2.5),
+                    ("Sent alone (nothing was answerable at once): two items wait, for the "
+                     "producer's max_wait_s of 2.5 s, less than the batch asked for.")),
+    "req_v2": (XferReq(v=2, session_id=SID, mm_hash=MM, compat_hash=COMPAT, dest=b""),
+               "A single XferReq is still valid on a v2 session (at v = 2)."),
+    "done_v2": (XferDone(v=2, session_id=SID, mm_hash=MM, grant_id=GID, ok=True),
+                "XferDone of a grant from an AckBatch, as of one from an XferAck."),
+    "renew_v2": (Renew(v=2, session_id=SID, grant_ids=[GID, GID2], extend_s=15.0),
+                 "Renew of grants from an AckBatch."),
+    "ack_v2": (XferAck(v=2, session_id=SID, mm_hash=MM, status=Status.OK,
+                       grant=_grant(GID, 11264, 3, NIXL_GRANT), detail=""),
+               "XferAck at v = 2 (the answer to a single XferReq)."),
+    "nack_batch_reused": (Nack(v=2, status=Status.NACK_BAD_REQUEST,
+                               detail=f"batch {BATCH} still has 1 item(s) waiting: batch "
+                                      f"ids must not be reused before every item of the batch "
+                                      f"was answered"),
+                          "A batch id reused while items of it still wait."),
+    "nack_batch_on_v1": (Nack(v=1, status=Status.NACK_VERSION,
+                              detail="'reqs' frames exist since version 2, not 1"),
+                         "A batch sent on a v1 session: refused, the session goes on."),
+}
+
+
+def _frame2(name: str) -> dict[str, Any]:
+    return msgspec.msgpack.decode(encode(VALID_V2[name][0]))
+
+
+_ONE = {"mm_hash": MM, "dest": b""}
+
+#: name → (frame bytes, acceptable versions, expected status, expected FrameError.kind, text)
+INVALID_V2: dict[str, tuple[bytes, list[int], Status, str | None, str]] = {
+    "reqs_v1": (_e(_with(_frame2("reqs"), v=1)), [1], Status.NACK_VERSION, "reqs",
+                "ReqBatch claiming v = 1 on a v1 session: batch frames exist since v2."),
+    "reqs_on_v1_session": (_e(_frame2("reqs")), [1], Status.NACK_VERSION, "reqs",
+                           "ReqBatch at v = 2 on a v1 session."),
+    "acks_v1": (_e(_with(_frame2("acks_inline"), v=1)), [1, 2], Status.NACK_VERSION, "acks",
+                "AckBatch claiming v = 1, even where v1 is acceptable."),
+    "req_v1_on_v2_session": (_e(_with(_frame("req"), v=1)), [2], Status.NACK_VERSION, "req",
+                             "XferReq at v = 1 on a v2 session."),
+    "reqs_empty": (_e(_with(_frame2("reqs"), items=[])), [2], Status.NACK_BAD_REQUEST, "reqs",
+                   "ReqBatch without items."),
+    "reqs_too_many": (_e(_with(_frame2("reqs"), items=[
+        {"mm_hash": f"{i:064x}", "dest": b""} for i in range(MAX_BATCH_ITEMS + 1)])), [2],
+        Status.NACK_BAD_REQUEST, "reqs", "ReqBatch with 65 items (bound 64)."),
+    "reqs_wait_too_long": (_e(_with(_frame2("reqs"), wait_s=60.5)), [2],
+                           Status.NACK_BAD_REQUEST, "reqs", "wait_s = 60.5 (bound 60)."),
+    "reqs_wait_negative": (_e(_with(_frame2("reqs"), wait_s=-1.0)), [2],
+                           Status.NACK_BAD_REQUEST, "reqs", "wait_s = -1."),
+    "reqs_inline_max_too_large": (_e(_with(_frame2("reqs"), inline_max=MAX_INLINE_BYTES + 1)),
+                                  [2], Status.NACK_BAD_REQUEST, "reqs",
+                                  "inline_max = 1 MiB + 1 (bound 1 MiB)."),
+    "reqs_item_without_dest": (_e(_with(_frame2("reqs"), items=[{"mm_hash": MM}])), [2],
+                               Status.NACK_BAD_REQUEST, "reqs", "An item without its dest."),
+    "reqs_batch_id_negative": (_e(_with(_frame2("reqs"), batch_id=-1)), [2],
+                               Status.NACK_BAD_REQUEST, "reqs", "batch_id = -1."),
+    "acks_empty": (_e(_with(_frame2("acks_inline"), items=[])), [2], Status.NACK_BAD_REQUEST,
+                   "acks", "AckBatch without items."),
+    "acks_status_unknown": (_e(_with(_frame2("acks_inline"), items=[
+        {**_frame2("acks_inline")["items"][0], "status": 8}])), [2], Status.NACK_BAD_REQUEST,
+        "acks", "An item with status 8, which ECTP does not define."),
+    "park_v1": (_e(_with(_frame2("park"), v=1)), [1, 2], Status.NACK_VERSION, "park",
+                "Parked claiming v = 1, even where v1 is acceptable."),
+    "park_on_v1_session": (_e(_frame2("park")), [1], Status.NACK_VERSION, "park",
+                           "Parked at v = 2 on a v1 session."),
+    "park_empty": (_e(_with(_frame2("park"), items=[])), [2], Status.NACK_BAD_REQUEST, "park",
+                   "Parked naming no item."),
+    "park_too_many": (_e(_with(_frame2("park"), items=[
+        f"{i:064x}" for i in range(MAX_BATCH_ITEMS + 1)])), [2], Status.NACK_BAD_REQUEST, "park",
+        "Parked naming 65 items (bound 64)."),
+    "park_wait_too_long": (_e(_with(_frame2("park"), wait_s=60.5)), [2],
+                           Status.NACK_BAD_REQUEST, "park", "wait_s = 60.5 (bound 60)."),
+    "park_wait_negative": (_e(_with(_frame2("park"), wait_s=-1.0)), [2],
+                           Status.NACK_BAD_REQUEST, "park", "wait_s = -1."),
+}
+assert all(len(d) < 64 << 10 for d, *_ in INVALID_V2.values())
+
+
 def to_json(value: Any) -> Any:
     """Python field value → index.json value (bytes as ``"hex:..."``)."""
     if isinstance(value, bytes):
@@ -223,23 +407,26 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def build() -> dict[str, str]:
-    """Relative path → file content, for every file this script owns."""
+def _build_one(version: int, valid: dict[str, tuple[Message, str]],
+               invalid: dict[str, tuple[bytes, list[int], Status, str | None, str]],
+               ) -> dict[str, str]:
+    """``vectors/v<version>/``: relative path → file content."""
     files: dict[str, str] = {}
     index: dict[str, Any] = {
         "protocol": "ECTP",
-        "version": 1,
-        "spec": "../../ectp-v1.md",
+        "version": version,
+        "spec": f"../../ectp-v{version}.md",
         "bytes_convention": (
             "a field whose msgpack type is bin is written as the string 'hex:' followed by the "
             "lowercase hex of its bytes; status codes are their integer wire values"
         ),
-        "kinds": {tag: cls.__name__ for tag, cls in KINDS.items()},
+        "kinds": {tag: cls.__name__ for tag, cls in KINDS.items()
+                  if SINCE.get(tag, 1) <= version},
         "statuses": {s.name: int(s) for s in Status},
         "valid": [],
         "invalid": [],
     }
-    for name, (msg, desc) in VALID.items():
+    for name, (msg, desc) in valid.items():
         kind = type(msg).__struct_config__.tag
         files[f"{name}.msgpack.hex"] = encode(msg).hex() + "\n"
         index["valid"].append({
@@ -250,13 +437,13 @@ def build() -> dict[str, str]:
             "description": desc,
             "fields": to_json(msg),
         })
-    for name, (data, status, kind, desc) in INVALID.items():
+    for name, (data, versions, status, kind, desc) in invalid.items():
         files[f"invalid/{name}.hex"] = data.hex() + "\n"
         index["invalid"].append({
             "name": name,
             "file": f"invalid/{name}.hex",
             "description": desc,
-            "versions": [1],
+            "versions": versions,
             "status": int(status),
             "status_name": status.name,
             "error_kind": kind,
@@ -265,17 +452,27 @@ def build() -> dict[str, str]:
     return files
 
 
+def build() -> dict[str, str]:
+    """Path relative to ``vectors/`` → file content, for every file this script owns."""
+    v1 = {name: (data, [1], status, kind, desc)
+          for name, (data, status, kind, desc) in INVALID.items()}
+    files = {f"v1/{p}": text for p, text in _build_one(1, VALID, v1).items()}
+    files.update({f"v2/{p}": text for p, text in _build_one(2, VALID_V2, INVALID_V2).items()})
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="verify instead of writing")
     args = ap.parse_args(argv)
     files = build()
+    root = VECTORS
     stale = [p for p, text in files.items()
-             if not (ROOT / p).is_file() or (ROOT / p).read_text(encoding="utf-8") != text]
+             if not (root / p).is_file() or (root / p).read_text(encoding="utf-8") != text]
     extra = sorted(
-        str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-        if p.is_file() and str(p.relative_to(ROOT)) not in files
-    ) if ROOT.is_dir() else []
+        str(p.relative_to(root)) for p in root.rglob("*")
+        if p.is_file() and str(p.relative_to(root)) not in files
+    ) if root.is_dir() else []
     if args.check:
         for p in stale:
             print(f"stale or missing: {p}", file=sys.stderr)
@@ -283,11 +480,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not generated: {p}", file=sys.stderr)
         return 1 if stale or extra else 0
     for p in stale:
-        (ROOT / p).parent.mkdir(parents=True, exist_ok=True)
-        (ROOT / p).write_text(files[p], encoding="utf-8")
+        (root / p).parent.mkdir(parents=True, exist_ok=True)
+        (root / p).write_text(files[p], encoding="utf-8")
     for p in extra:
         print(f"warning: {p} is not generated by this script", file=sys.stderr)
-    print(f"{len(files)} files under {ROOT} ({len(stale)} written)")
+    print(f"{len(files)} files under {root} ({len(stale)} written)")
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +34,7 @@ from ectransport.node.consumer_loop import ConsumerLoop
 from ectransport.node.driver import Observers, close_all, load_planes
 from ectransport.node.fetch_session import FetchSession
 from ectransport.node.results import Fetched, Held, Outcome, ProducerAddress
+from ectransport.protocol import MAX_INLINE_BYTES
 from ectransport.session import ConsumerConfig, Miss
 from ectransport.settings_schema import API
 from ectransport.store import BlockRegion, BlockStore
@@ -42,7 +43,8 @@ __all__ = ["ConsumerNode", "Fetched", "Held", "Miss", "Outcome", "ProducerAddres
 
 #: ConsumerConfig fields set from ConsumerNode's own arguments (not via session_options).
 _OWN_FIELDS = frozenset({"node_id", "compat_hash", "planes", "versions", "ack_timeout_s",
-                         "read_timeout_s", "quarantine_s", "localities", "mem_kinds"})
+                         "read_timeout_s", "quarantine_s", "localities", "mem_kinds",
+                         "inline_max_bytes"})
 
 
 class ConsumerNode(ConsumerLoop):
@@ -65,7 +67,10 @@ class ConsumerNode(ConsumerLoop):
             ``handshake_timeout_s``, frame limits, reconnect intervals).
         session_options: further :class:`ConsumerConfig` fields (``hello_timeout_s``,
             ``retry_backoff_s``, ``retry_backoff_max_s``, ``peer_backoff_s``,
-            ``peer_backoff_max_s``, ``request_notifications``).
+            ``peer_backoff_max_s``, ``request_notifications``, ``wait_margin_s``).
+        inline_max_bytes: ECTP v2: the largest entry, bytes, accepted inline in the producer's
+            answer (copied into the landing region; no READ, no XferDone); the producer's own
+            threshold may be lower; 0 turns inline answers off; at most 1 MiB [64 KiB].
         control: fetch over this control client instead of the ZeroMQ/CURVE one built from
             ``security`` (e.g. ``ectransport.control.memory``'s in-memory pair in tests about
             node logic); the node closes it.
@@ -108,6 +113,7 @@ class ConsumerNode(ConsumerLoop):
         observer: Callable[[str, dict[str, Any]], None] | None = None,
         require_binding: bool = True,
         control: ControlClient | None = None,
+        inline_max_bytes: int = API.consumer.inline_max_bytes,
     ):
         self.layout = layout
         self.node_id = node_id or f"consumer-{uuid.uuid4().hex[:8]}"
@@ -115,6 +121,9 @@ class ConsumerNode(ConsumerLoop):
         allowed = {f.name for f in dataclasses.fields(ConsumerConfig)} - _OWN_FIELDS
         if unknown := sorted(set(extra) - allowed):
             raise ConfigError(f"unknown session option(s) {unknown}; known: {sorted(allowed)}")
+        if not 0 <= inline_max_bytes <= MAX_INLINE_BYTES:
+            raise ConfigError(f"inline_max_bytes must be in [0, {MAX_INLINE_BYTES}] bytes, got "
+                              f"{inline_max_bytes}")
         own_region = region is None
         self.region = region_for(layout, region_bytes, region)
         self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
@@ -141,7 +150,7 @@ class ConsumerNode(ConsumerLoop):
                                      read_timeout_s=read_timeout_s, quarantine_s=quarantine_s,
                                      versions=tuple(versions), localities=localities,
                                      mem_kinds=(getattr(self.region, "mem_kind", "DRAM"),),
-                                     **extra)
+                                     inline_max_bytes=inline_max_bytes, **extra)
         self.require_binding = require_binding
         driver = ConsumerDriver(built, planes_, self.region, self.store, layout, self.config,
                                 own_region=own_region, observers=self._observers,
@@ -157,6 +166,27 @@ class ConsumerNode(ConsumerLoop):
         result and the Future are dropped (pipelined callers should drop each Future once done).
         """
         return self._submit(producer, mm_hash, timeout_s)
+
+    def submit_many(self, producer: ProducerAddress, mm_hashes: Sequence[str], *,
+                    timeout_s: float | None = None) -> list[Future[Any]]:
+        """Start fetching several entries of one producer together (e.g. the images of one
+        request); one Future per mm_hash, in order, each resolving to :class:`Fetched` or
+        :class:`Miss` by the shared deadline, as :meth:`submit`'s.
+
+        With an ECTP v2 producer the new ones are asked for in one ``ReqBatch`` frame (per 64
+        entries), answered in as few ``AckBatch`` frames as their readiness allows, and their
+        READs are posted together; small entries may come inline (``inline_max_bytes``). With a
+        v1 producer they are fetched as separate requests. An mm_hash already in flight (or given
+        twice) joins that fetch.
+        """
+        return self._submit_many(producer, list(mm_hashes), timeout_s)
+
+    def fetch_many(self, producer: ProducerAddress, mm_hashes: Sequence[str], *,
+                   timeout_s: float | None = None) -> list[Outcome]:
+        """:meth:`submit_many`, blocking until every entry landed or missed (never past the
+        deadline); the results are in the order of ``mm_hashes``. Like :meth:`fetch`, the calling
+        thread drives the fetches itself when nothing else is in flight."""
+        return self._fetch_many(producer, list(mm_hashes), timeout_s)
 
     def submit_held(self, producer: ProducerAddress, mm_hash: str, *,
                     timeout_s: float | None = None) -> Future[Any]:

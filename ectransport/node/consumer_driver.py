@@ -8,9 +8,10 @@
 One session per producer connection (a :class:`FetchSession`: ECTP's ConsumerSession unless
 ``new_session`` makes another kind). A step polls the control client, takes the typed inbox,
 matches every control event to its session, polls in-flight transfers on their plane, runs the
-sessions' timers, and executes the commands they return in one place (:meth:`execute`); outcomes
-resolve the callers' futures. The driver owns no thread: :class:`ConsumerNode` runs it on its I/O
-thread or on a caller's, and the vLLM scheduler may call :meth:`step` from its own loop.
+sessions' timers, and executes the commands they return in one place (:meth:`execute`, in
+:mod:`ectransport.node.consumer_executor`); outcomes resolve the callers' futures. The driver owns
+no thread: :class:`ConsumerNode` runs it on its I/O thread or on a caller's, and the vLLM
+scheduler may call :meth:`step` from its own loop.
 
 Only the thread holding :attr:`lock` may call :meth:`step` and the other non-thread-safe methods;
 :meth:`post` and :meth:`release_later` may be called from anywhere.
@@ -19,16 +20,12 @@ Only the thread holding :attr:`lock` may call :meth:`step` and the other non-thr
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import time
-import weakref
 from collections.abc import Callable
 
-import numpy as np
-
 from ectransport.control.base import AuthFailed, ControlClient, Down, Received, Up
-from ectransport.data.base import DataTransport, identity_of
+from ectransport.data.base import DataTransport
 from ectransport.errors import (
     AuthError,
     ECTransportError,
@@ -37,31 +34,26 @@ from ectransport.errors import (
     VersionError,
 )
 from ectransport.node.common import Layout
-from ectransport.node.driver import Driver, Observers
-from ectransport.node.fetch_session import FetchSession, SizedFetch
+from ectransport.node.consumer_executor import ConsumerExecutor
+from ectransport.node.driver import Observers
+from ectransport.node.fetch_session import BatchFetch, FetchSession, SizedFetch
 from ectransport.node.inbox import (
     Connect,
     InboxItem,
     ReleaseFetched,
     ReleaseHeld,
     Snapshot,
+    StartBatch,
     StartFetch,
 )
-from ectransport.node.results import Fetched, Held, Outcome, ProducerAddress, fetch_event
+from ectransport.node.results import ProducerAddress
 from ectransport.protocol import FrameError, Status, Welcome, decode
 from ectransport.session import (
-    Bind,
-    Command,
     ConsumerConfig,
     ConsumerSession,
     FetchState,
-    Landed,
     Miss,
     MissReason,
-    PostRead,
-    Release,
-    Report,
-    Send,
 )
 from ectransport.store import BlockRegion, BlockStore
 
@@ -71,7 +63,7 @@ log = logging.getLogger("ectransport.node.consumer")
 MAX_WAIT_S = 0.1
 
 
-class ConsumerDriver(Driver[ControlClient]):
+class ConsumerDriver(ConsumerExecutor):
     """Drives the consumer's fetch sessions (see module docstring).
 
     Args:
@@ -220,6 +212,11 @@ class ConsumerDriver(Driver[ControlClient]):
             match self.inbox.popleft():
                 case StartFetch(mm_hash=mm, future=fut) if not fut.done():
                     fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
+                case StartBatch(items=items):
+                    for it in items:
+                        if not it.future.done():
+                            it.future.set_result(Miss(it.mm_hash, MissReason.INTERNAL,
+                                                      "consumer closed"))
                 case Connect(future=cfut) if not cfut.done():
                     cfut.set_exception(ECTransportError("consumer closed"))
                 case Snapshot(future=sfut) if not sfut.done():
@@ -231,6 +228,8 @@ class ConsumerDriver(Driver[ControlClient]):
         match item:  # one case per command type (node/inbox.py)
             case StartFetch():
                 self._start(item, now)
+            case StartBatch():
+                self._start_many(item, now)
             case Connect():
                 self._start_connect(item, now)
             case ReleaseFetched(local_key=key, entry_id=eid):
@@ -299,6 +298,44 @@ class ConsumerDriver(Driver[ControlClient]):
         else:
             self.execute(s, s.fetch(mm_hash, now, item.deadline), now)
 
+    def start_batch(self, item: StartBatch, now: float) -> None:
+        """Start (or join) several fetches now (a caller driving its own; see start_fetch)."""
+        try:
+            self._start_many(item, now)
+        except Exception as e:
+            log.exception("unexpected error starting fetches (continuing)")
+            for it in item.items:
+                self._resolve(item.producer.key, Miss(it.mm_hash, MissReason.INTERNAL,
+                                                      f"{type(e).__name__}: {e}"))
+
+    def _start_many(self, item: StartBatch, now: float) -> None:
+        """Join the fetches already in flight; start the others together: in one
+        :meth:`BatchFetch.fetch_many` (one ReqBatch on ECTP v2), else one by one."""
+        producer = item.producer
+        new: list[str] = []
+        for it in item.items:
+            key = (producer.key, it.mm_hash)
+            waiters = self._waiters.setdefault(key, [])
+            waiters.append(it)
+            if len(waiters) == 1:
+                self._started[key] = now
+                new.append(it.mm_hash)
+        if not new:
+            return
+        try:
+            s = self._session_for(producer, now)
+        except Exception as e:
+            for mm_hash in new:
+                miss = Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}")
+                self._observe_outcome(producer.key, "", miss, now)
+                self._resolve(producer.key, miss)
+            return
+        if isinstance(s, BatchFetch):
+            self.execute(s, s.fetch_many(new, now, item.deadline), now)
+        else:
+            for mm_hash in new:
+                self.execute(s, s.fetch(mm_hash, now, item.deadline), now)
+
     def _session_for(self, producer: ProducerAddress, now: float) -> FetchSession:
         s = self.sessions.get(producer.key)
         if s is None:
@@ -350,133 +387,6 @@ class ConsumerDriver(Driver[ControlClient]):
                      MissReason.VERSION: VersionError}.get(miss.reason, ProtocolError)
         return typed(miss.detail)
 
-    # -- the command executor ------------------------------------------------------------------
-    def execute(self, s: FetchSession, cmds: list[Command], now: float) -> None:
-        """Carry out a session's commands, feeding back what the planes answer."""
-        for c in cmds:
-            match c:
-                case Send(peer=peer, data=data):
-                    self.control.send(peer, data)
-                case PostRead():
-                    self._post_read(s, c, now)
-                case Bind():
-                    self._bind(s, c, now)
-                case Release(handle=handle):
-                    if s.plane:
-                        self.planes[s.plane].release(handle)
-                case Report(outcome=outcome):
-                    self._report(s, outcome, now)
-                case _:
-                    log.warning("consumer session returned an unexpected command %r", c)
-
-    def _post_read(self, s: FetchSession, c: PostRead, now: float) -> None:
-        assert s.plane is not None  # reads are posted on the negotiated plane only
-        plane = self.planes[s.plane]
-        try:
-            handle = plane.start(c.prepared, c.plane_grant, c.runs, c.nbytes, c.notif)
-        except Exception as e:
-            log.warning("posting transfer of %s failed: %s", c.key[:12], e)
-            self.execute(s, s.on_read_failed(c.key, str(e), now), now)
-            return
-        self.execute(s, s.on_read_posted(c.key, handle, now), now)
-        state = plane.check(handle)  # UCX may have copied inside start() already
-        if state.value != "proc":
-            t = self.clock()
-            why = plane.error_detail(handle) if state.value == "err" else ""
-            self.execute(s, s.on_read_state(c.key, state.value, t, why), t)
-
-    def _bind(self, s: FetchSession, c: Bind, now: float) -> None:
-        """Have the negotiated plane validate the producer's declared endpoint (tied to the CURVE
-        key this node dialed it with and the host it dialed) and tell the session."""
-        producer = self._producers[s.conn]
-        plane = self.planes[c.plane]
-        old, old_plane = s.binding, s.plane
-        if not c.endpoint and self.require_binding:
-            self.execute(s, s.on_bind_failed(
-                f"the producer declared no {c.plane} endpoint, so its grants could not be bound "
-                f"to it (an older ectransport, or a hostile producer); upgrade it, or pass "
-                f"require_binding=False to accept unbound grants", now), now)
-            return
-        try:
-            binding = plane.bind_peer(c.endpoint, peer=s.conn, host=producer.host,
-                                      identity=identity_of(producer.public_key))
-        except Exception as e:
-            log.warning("producer %s: %s plane refused its endpoint: %s", s.conn, c.plane, e)
-            self.execute(s, s.on_bind_failed(str(e), now), now)
-            return
-        if old is not None and old is not binding and old_plane in self.planes:
-            self.planes[old_plane].unbind_peer(old)  # on the plane that made it
-        self.execute(s, s.on_bound(binding, now), now)
-
-    # -- outcomes ------------------------------------------------------------------------------
-    def _report(self, s: FetchSession, outcome: Landed | Miss, now: float) -> None:
-        self._observe_outcome(s.conn, s.session_id, outcome, now)
-        if not isinstance(outcome, Landed):
-            self._resolve(s.conn, outcome)
-            return
-        if any(w.held for w in self._waiters.get((s.conn, outcome.mm_hash), ())):
-            self._report_held(s, outcome, now)
-            return
-        e = outcome.entry
-        if self.zero_copy and len(e.runs) == 1 and e.nbytes:
-            # zero copy: hand out the landing blocks, pinned until the last view is collected
-            self.store.pin_if_ready(e.mm_hash)
-            owner = (ctypes.c_uint8 * e.nbytes).from_address(
-                self.region.addr + e.runs[0].start * self.region.block_bytes)
-            # numpy's stub omits ctypes arrays, which do export the buffer protocol
-            data = np.frombuffer(owner, dtype=np.uint8)  # type: ignore[call-overload]
-            weakref.finalize(owner, self.release_later, e.mm_hash, e.entry_id)
-        elif self.zero_copy and len(e.runs) == 1:
-            data = np.empty(0, dtype=np.uint8)
-            self.store.discard(e.mm_hash)
-        else:  # scattered landing blocks (or copies asked for): one copy into a contiguous array
-            data = self.region.read(e.runs, e.nbytes)
-            self.store.discard(e.mm_hash)
-        timings = dict(outcome.timings)
-        timings["total"] = timings.get("landed", 0.0) + (self.clock() - now)
-        self._resolve(s.conn, Fetched(outcome.mm_hash, data, self.layout, outcome.plane, timings))
-
-    def _report_held(self, s: FetchSession, outcome: Landed, now: float) -> None:
-        """Resolve the waiters of a landed fetch when at least one of them is a submit_held: one
-        pin per Held; plain waiters get a copy (the pinned blocks are not theirs to release)."""
-        e = outcome.entry
-        timings = dict(outcome.timings)
-        timings["total"] = timings.get("landed", 0.0) + (self.clock() - now)
-        copy: Fetched | None = None
-        for w in self._waiters.pop((s.conn, outcome.mm_hash), []):
-            if w.future.done():
-                continue
-            if w.held:
-                self.store.pin_if_ready(e.mm_hash)
-                w.future.set_result(Held(outcome.mm_hash, e.runs, e.nbytes, self.store.block_bytes,
-                                         e.mm_hash, e.entry_id, outcome.plane, timings))
-            else:
-                if copy is None:
-                    copy = Fetched(outcome.mm_hash, self.region.read(e.runs, e.nbytes),
-                                   self.layout, outcome.plane, timings)
-                w.future.set_result(copy)
-        entry = self.store.get(e.mm_hash)
-        if entry is not None and entry.entry_id == e.entry_id and entry.pins == 0:
-            self.store.discard(e.mm_hash)  # no Held was handed out after all
-
-    def _release_held(self, local_key: str, entry_id: int) -> None:
-        e = self.store.get(local_key)
-        if e is not None and e.entry_id == entry_id and e.pins > 0:
-            self.store.unpin(local_key, entry_id)
-            if e.pins == 0:
-                self.store.discard(local_key)
-
-    def _release(self, local_key: str, entry_id: int) -> None:
-        e = self.store.get(local_key)
-        if e is not None and e.entry_id == entry_id:
-            self.store.unpin(local_key, entry_id)
-            self.store.discard(local_key)
-
-    def _resolve(self, conn: str, result: Outcome) -> None:
-        for w in self._waiters.pop((conn, result.mm_hash), []):
-            if not w.future.done():
-                w.future.set_result(result)
-
     def _drop(self, s: FetchSession) -> None:
         self.sessions.pop(s.conn, None)
         self._producers.pop(s.conn, None)
@@ -484,17 +394,3 @@ class ConsumerDriver(Driver[ControlClient]):
         self.control.disconnect(s.conn)
         if s.plane and s.binding is not None:  # drops only this session's data-plane state
             self.planes[s.plane].unbind_peer(s.binding)
-
-    def _observe_outcome(self, conn: str, session_id: str, outcome: Landed | Miss,
-                         now: float) -> None:
-        """One ``fetch`` event and one log line per outcome, with the transfer's identifiers."""
-        started = self._started.pop((conn, outcome.mm_hash), None)
-        if not self.observers and not log.isEnabledFor(logging.DEBUG):
-            return
-        fields = fetch_event(conn, session_id, outcome, started, now)
-        if isinstance(outcome, Landed):
-            log.debug("fetched %d bytes in %d runs via %s", outcome.entry.nbytes,
-                      len(outcome.entry.runs), outcome.plane, extra=fields)
-        else:
-            log.debug("miss: %s: %s", outcome.reason.value, outcome.detail, extra=fields)
-        self.observers("fetch", fields)

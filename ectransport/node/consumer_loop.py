@@ -16,11 +16,19 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from ectransport.node.consumer_driver import ConsumerDriver
-from ectransport.node.inbox import Connect, InboxItem, ReleaseHeld, Snapshot, StartFetch
+from ectransport.node.inbox import (
+    Connect,
+    InboxItem,
+    ReleaseHeld,
+    Snapshot,
+    StartBatch,
+    StartFetch,
+)
 from ectransport.node.results import Held, Outcome, ProducerAddress
 from ectransport.session import Miss, MissReason
 
@@ -64,6 +72,57 @@ class ConsumerLoop:
         fut: Future[Any] = Future()
         self._enqueue(StartFetch(producer, mm_hash, self._deadline(timeout_s), fut, held, nbytes))
         return fut
+
+    def _batch(self, producer: ProducerAddress, mm_hashes: list[str],
+               timeout_s: float | None) -> StartBatch:
+        deadline = self._deadline(timeout_s)
+        return StartBatch(producer, deadline, tuple(
+            StartFetch(producer, m, deadline, Future()) for m in mm_hashes))
+
+    def _submit_many(self, producer: ProducerAddress, mm_hashes: list[str],
+                     timeout_s: float | None) -> list[Future[Any]]:
+        item = self._batch(producer, mm_hashes, timeout_s)
+        if item.items:
+            self._enqueue(item)
+        return [it.future for it in item.items]
+
+    def _fetch_many(self, producer: ProducerAddress, mm_hashes: list[str],
+                    timeout_s: float | None) -> list[Outcome]:
+        """As :meth:`_fetch` for several entries of one producer, started together."""
+        if self._stop.is_set():
+            return [Miss(m, MissReason.INTERNAL, "consumer closed") for m in mm_hashes]
+        item = self._batch(producer, mm_hashes, timeout_s)
+        if not item.items:
+            return []
+        lock = self.driver.lock
+        if threading.current_thread() is not self._thread and (
+                lock.acquire(blocking=False)
+                or (self._brief and lock.acquire(timeout=_BRIEF_WAIT_S))):
+            try:  # the I/O thread is parked (or between steps): drive these fetches here
+                self._owner = threading.get_ident()
+                if not self._stop.is_set():
+                    d = self.driver
+                    d.start_batch(item, d.clock())
+                    self._drive(lambda: all(it.future.done() for it in item.items),
+                                item.deadline)
+                wake = not self.driver.idle() or self._stop.is_set()
+            finally:
+                self._owner = 0
+                lock.release()
+            if wake:
+                self._wake_loop()
+        else:
+            self._enqueue(item)
+        out: list[Outcome] = []
+        for it in item.items:
+            try:
+                out.append(it.future.result(
+                    timeout=max(0.0, item.deadline - self.driver.clock()) + 5.0))
+            except concurrent.futures.TimeoutError:  # pragma: no cover - the loop ends each
+                out.append(Miss(it.mm_hash, MissReason.TIMEOUT, "no outcome from the loop"))
+            except Exception as e:  # pragma: no cover - closed while waiting
+                out.append(Miss(it.mm_hash, MissReason.INTERNAL, f"{type(e).__name__}: {e}"))
+        return out
 
     def _release_held(self, held: Held) -> None:
         if self._stop.is_set():
@@ -216,8 +275,13 @@ class ConsumerLoop:
         first poll after the request is sent (the session copes with them at any point)."""
         d = self.driver
         d.start_fetch(item, d.clock())
-        limit = item.deadline + 1.0
-        while not item.future.done() and not self._stop.is_set() and d.clock() < limit:
+        self._drive(item.future.done, item.deadline)
+
+    def _drive(self, done: Callable[[], bool], deadline: float) -> None:
+        """Step (lock held) until ``done()``, the node stops or ``deadline`` is well past."""
+        d = self.driver
+        limit = deadline + 1.0
+        while not done() and not self._stop.is_set() and d.clock() < limit:
             self._guarded_step()
 
     def _wake_loop(self) -> None:

@@ -67,3 +67,13 @@ class SizedFetch(Protocol):
 
     def fetch_sized(self, mm_hash: str, nbytes: int, now: float,
                     deadline: float) -> list[Command]: ...
+
+
+@runtime_checkable
+class BatchFetch(Protocol):
+    """A session that can ask for several entries in one request (ECTP v2's ``ReqBatch``); the
+    driver starts :meth:`ConsumerNode.submit_many`'s fetches with it, and one by one on a session
+    without it."""
+
+    def fetch_many(self, mm_hashes: list[str], now: float,
+                   deadline: float) -> list[Command]: ...

@@ -29,6 +29,17 @@ class StartFetch:
 
 
 @dataclass(frozen=True, eq=False)
+class StartBatch:
+    """Fetch several entries from one ``producer`` together (:meth:`ConsumerNode.submit_many`):
+    each of ``items`` (same producer and deadline) resolves on its own; on an ECTP v2 session the
+    new ones are asked for in one ``ReqBatch`` and their READs posted together."""
+
+    producer: ProducerAddress
+    deadline: float
+    items: tuple[StartFetch, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Connect:
     """Connect and negotiate with ``producer``; ``future`` resolves to the negotiated plane or
     raises a typed error (see :meth:`ConsumerNode.connect`)."""
@@ -61,4 +72,4 @@ class Snapshot:
     future: Future[dict[str, int]]
 
 
-InboxItem = StartFetch | Connect | ReleaseFetched | ReleaseHeld | Snapshot
+InboxItem = StartFetch | StartBatch | Connect | ReleaseFetched | ReleaseHeld | Snapshot

@@ -75,7 +75,10 @@ class ProducerNode:
         host / port: control-plane bind address; port 0 picks a free port (see :attr:`port`).
         security: CURVE keys and allow-list; ``Security(insecure=True)`` for plain ZMQ.
         planes: data planes offered, best first.
-        lease_s / budget_bytes / grace_s: see :class:`ProducerConfig`.
+        lease_s / budget_bytes / grace_s / max_wait_s / inline_max_bytes: see
+            :class:`ProducerConfig` (the last two apply to ECTP v2 sessions: how long a batched
+            request for a reserved entry waits for :meth:`commit`, and up to which size an entry
+            travels inline in the answer).
         node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
         versions: ECTP versions spoken (override only to emulate older/newer nodes).
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
@@ -112,6 +115,8 @@ class ProducerNode:
         lease_s: float = API.producer.lease_s,
         budget_bytes: int | None = API.producer.budget_bytes,
         grace_s: float = API.producer.grace_s,
+        max_wait_s: float = API.producer.max_wait_s,
+        inline_max_bytes: int = API.producer.inline_max_bytes,
         node_id: str | None = API.node.node_id,
         versions: tuple[int, ...] = API.node.versions,
         region: BlockRegion | None = None,
@@ -152,6 +157,7 @@ class ProducerNode:
             ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
                            planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes, grace_s=grace_s,
+                           max_wait_s=max_wait_s, inline_max_bytes=inline_max_bytes,
                            versions=tuple(versions)))
         self.driver = ProducerDriver(self.session, built, self._planes, self.region,
                                      own_region=own_region, observers=self._observers)
@@ -174,8 +180,11 @@ class ProducerNode:
     def _make_session(self, config: ProducerConfig) -> ServingSession:
         """The sans-I/O session the loop drives (same event/command interface for any profile)."""
         planes = self._planes
+        region = self.region
         return ProducerSession(config, self.store, {n: p.describe for n, p in planes.items()},
                                observer=self._observers,
+                               read=lambda runs, nbytes: b"".join(
+                                   v.data for v in region.view(runs, nbytes)),
                                reachable=lambda name, loc: planes[name].reachable(loc),
                                endpoint=lambda name: planes[name].endpoint(),
                                revocable=lambda name: planes[name].capabilities.transfer_model
@@ -248,17 +257,21 @@ class ProducerNode:
         except BaseException:  # never leave a NOT_READY entry behind (it is never evicted)
             with self._lock:
                 self.store.discard(mm_hash)
+                self.driver.entry_changed(mm_hash)
             raise
         with self._lock:
             self.store.mark_ready(mm_hash)
+            self.driver.entry_changed(mm_hash)  # answers requests waiting for it (ECTP v2)
         return True
 
     def reserve(self, mm_hash: str, nbytes: int) -> Entry | AllocFailed:
         """First half of a two-step save: allocate a NOT_READY entry of ``nbytes`` bytes.
 
         For writers that fill the blocks themselves (another process mapping the same region, a
-        device copy that completes later). Consumers asking meanwhile get NACK_NOT_READY (they
-        retry); a NOT_READY entry is never evicted. Finish with :meth:`commit` or :meth:`abort`.
+        device copy that completes later). Consumers asking meanwhile get NACK_NOT_READY (v1:
+        they retry) or wait at the producer until :meth:`commit` (ECTP v2 batches, up to
+        ``max_wait_s``); a NOT_READY entry is never evicted. Finish with :meth:`commit` or
+        :meth:`abort` (requests waiting for it are then answered NACK_MISSING at once).
 
         Returns:
             The entry (its ``runs`` say which blocks to fill, ``entry_id`` identifies this
@@ -280,6 +293,7 @@ class ProducerNode:
             if e is None or e.entry_id != entry_id or e.ready:
                 return False
             self.store.mark_ready(mm_hash)
+            self.driver.entry_changed(mm_hash)
             return True
 
     def abort(self, mm_hash: str, entry_id: int) -> bool:
@@ -293,6 +307,7 @@ class ProducerNode:
             if e is None or e.entry_id != entry_id or e.ready:
                 return False
             self.store.discard(mm_hash)
+            self.driver.entry_changed(mm_hash)
             return True
 
     def lookup(self, mm_hash: str) -> Entry | None:
@@ -333,7 +348,8 @@ class ProducerNode:
     def _stats_locked(self) -> dict[str, int]:
         return {**self.session.stats, "active_grants": self.session.active_grants,
                 "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
-                "free_blocks": self.store.free_blocks}
+                "free_blocks": self.store.free_blocks,
+                "waiting_items": int(getattr(self.session, "waiting_items", 0))}
 
     def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
         """Also tell ``observer`` what happens (see the ``observer`` argument)."""

@@ -6,6 +6,9 @@
 
 The session (ECTP's :class:`ProducerSession`, or a wire profile's) is sans-I/O; the driver feeds
 it control events, data-plane notifications and the time, and performs the commands it returns.
+A session that lets requests wait for readiness (ECTP v2, :class:`WaitingSession`) is also told
+which entries changed (:meth:`ProducerDriver.entry_changed`, called by ``put``/``commit``/``abort``
+under the lock) and swept no later than its next waiting deadline.
 Public methods that touch the session or the store hold :attr:`Driver.lock`; the plane and
 control-plane I/O of a step happens outside it, so ``put`` from other threads is never blocked
 behind a send. One thread steps at a time: a :class:`ProducerNode` that was started steps on its
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from ectransport.control.base import ControlServer, Down, PeerId, Received
 from ectransport.data.base import DataTransport
@@ -60,6 +64,18 @@ class ServingSession(Protocol):
     def pinned_by_identity(self) -> dict[str, int]: ...
 
 
+@runtime_checkable
+class WaitingSession(Protocol):
+    """A serving session whose requests may wait for an entry to become ready (ECTP v2's
+    :class:`~ectransport.session.ProducerSession`)."""
+
+    def waits_for(self, mm_hash: str) -> bool: ...
+
+    def on_entries_changed(self, mm_hashes: Collection[str], now: float) -> list[Any]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+
 class ProducerDriver(Driver[ControlServer]):
     """Drives one :class:`ServingSession` (see module docstring).
 
@@ -77,11 +93,30 @@ class ProducerDriver(Driver[ControlServer]):
         self.session = session
         self.clock = clock
         self._last_sweep = float("-inf")
+        self._waiting: WaitingSession | None = (
+            session if isinstance(session, WaitingSession) else None)
+        #: mm_hashes whose entries changed while requests waited for them (any thread appends,
+        #: the stepping thread drains)
+        self._changed: deque[str] = deque()
+
+    def entry_changed(self, mm_hash: str) -> None:
+        """The entry ``mm_hash`` became ready or went away (call with :attr:`lock` held, from
+        any thread): if a request waits for it, the next :meth:`step` answers it, and a step
+        waiting for control events returns at once."""
+        if self._waiting is not None and self._waiting.waits_for(mm_hash):
+            self._changed.append(mm_hash)
+            self.control.wake()
 
     def step(self, now: float | None = None, *, wait_s: float = 0.0) -> None:
         """One round: wait up to ``wait_s`` for control events, answer them (answers are sent
-        first: consumers wait for them), then data-plane notifications and, every
-        :data:`SWEEP_S`, the session's timers. ``now`` defaults to the clock after the wait."""
+        first: consumers wait for them; then the items waiting for entries that changed), then
+        data-plane notifications and, every :data:`SWEEP_S` or at a waiting item's deadline, the
+        session's timers. ``now`` defaults to the clock after the wait, which ends early at that
+        deadline."""
+        with self.lock:
+            due = self._due()
+        if due is not None and now is None and wait_s > 0:  # wake for the next waiting deadline
+            wait_s = min(wait_s, max(0.0, due - self.clock()))
         events = self.control.poll(wait_s)
         cmds: list[Command] = []
         with self.lock:
@@ -92,16 +127,26 @@ class ProducerDriver(Driver[ControlServer]):
                         cmds += self.session.on_frame(peer, data, t, user=peer.user)
                     case Down(source=peer):
                         cmds += self.session.on_peer_down(peer, t)
+            if self._changed and self._waiting is not None:
+                changed: set[str] = set()
+                while self._changed:
+                    changed.add(self._changed.popleft())
+                cmds += self._waiting.on_entries_changed(changed, t)
         self.perform(cmds)
         cmds = []
         with self.lock:
             for plane in self.planes.values():
                 for notif in plane.poll_notifications():
                     cmds += self.session.on_notification(notif, t)
-            if t - self._last_sweep > SWEEP_S:
+            due = self._due()
+            if t - self._last_sweep > SWEEP_S or (due is not None and due <= t):
                 cmds += self.session.poll(t)
                 self._last_sweep = t
         self.perform(cmds)
+
+    def _due(self) -> float | None:
+        """The session's next waiting deadline, if it has any (lock held)."""
+        return self._waiting.next_deadline() if self._waiting is not None else None
 
     def perform(self, cmds: list[Command]) -> None:
         """Carry out the session's commands (sends, grant revocations); lock not held."""

@@ -4,14 +4,23 @@ from ectransport.protocol.codec import MAX_FRAME_BYTES, FrameError, decode, enco
 from ectransport.protocol.compat import LAYOUT_ROW, compat_hash, element_size
 from ectransport.protocol.messages import (
     KINDS,
+    MAX_BATCH_ITEMS,
+    MAX_INLINE_BYTES,
+    MAX_WAIT_S,
     PROTOCOL_MAJOR,
+    SINCE,
     SUPPORTED_VERSIONS,
+    AckBatch,
+    AckItem,
     AnyMessage,
     Grant,
     Hello,
     Message,
     Nack,
+    Parked,
     Renew,
+    ReqBatch,
+    ReqItem,
     Welcome,
     XferAck,
     XferDone,
@@ -20,7 +29,8 @@ from ectransport.protocol.messages import (
 from ectransport.protocol.status import RETRYABLE, Status
 
 __all__ = [
-    "KINDS", "LAYOUT_ROW", "MAX_FRAME_BYTES", "PROTOCOL_MAJOR", "RETRYABLE", "SUPPORTED_VERSIONS",
-    "AnyMessage", "FrameError", "Grant", "Hello", "Message", "Nack", "Renew", "Status", "Welcome",
+    "KINDS", "LAYOUT_ROW", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
+    "PROTOCOL_MAJOR", "RETRYABLE", "SINCE", "SUPPORTED_VERSIONS", "AckBatch", "AckItem",
+    "AnyMessage", "ReqBatch", "ReqItem", "FrameError", "Grant", "Hello", "Message", "Nack", "Parked", "Renew", "Status", "Welcome",
     "XferAck", "XferDone", "XferReq", "compat_hash", "decode", "element_size", "encode",
 ]

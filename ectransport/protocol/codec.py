@@ -14,7 +14,15 @@ from typing import cast
 import msgspec
 
 from ectransport.errors import ProtocolError
-from ectransport.protocol.messages import KINDS, AnyMessage, Hello, Message, Welcome
+from ectransport.protocol.messages import (
+    KINDS,
+    MAX_BATCH_ITEMS,
+    SINCE,
+    AnyMessage,
+    Hello,
+    Message,
+    Welcome,
+)
 from ectransport.protocol.status import Status
 
 #: Default upper bound for one control frame, bytes. An OK ack with a NIXL grant is a few KB.
@@ -85,6 +93,10 @@ def decode(
             f"frame version {env.v} not acceptable here (expected one of {sorted(versions)})",
             kind=env.k,
         )
+    since = SINCE.get(env.k)  # a kind newer than v1 is refused below its version, whatever A is
+    if since is not None and env.v < since:
+        raise FrameError(Status.NACK_VERSION,
+                         f"{env.k!r} frames exist since version {since}, not {env.v}", env.k)
     try:
         return cast(AnyMessage, body.decode(data))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
@@ -109,3 +121,34 @@ def peek_ids(data: bytes | memoryview) -> tuple[str, str]:
         return ids.session_id[:128], ids.mm_hash[:256]
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return "", ""
+
+
+class _ItemIds(msgspec.Struct):
+    mm_hash: str = ""
+
+
+class _BatchIds(msgspec.Struct):
+    session_id: str = ""
+    batch_id: int = -1
+    items: list[_ItemIds] = []
+
+
+_BATCH_IDS = msgspec.msgpack.Decoder(_BatchIds)
+
+
+def peek_batch(data: bytes | memoryview) -> tuple[str, int, list[str]] | None:
+    """Best-effort ``(session_id, batch_id, distinct mm_hashes)`` of a rejected ``ReqBatch``, so
+    its NACK can be an ``AckBatch`` naming the batch and its items (ECTP v2 §5).
+
+    Returns None when the batch id or the items cannot be read (no item, more than
+    ``MAX_BATCH_ITEMS``, an item that is not a map with a string ``mm_hash``); never raises.
+    Strings are truncated to their bounds (128 / 256 characters).
+    """
+    try:
+        ids = _BATCH_IDS.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if not 0 <= ids.batch_id < (1 << 63) or not 0 < len(ids.items) <= MAX_BATCH_ITEMS:
+        return None
+    mm_hashes = list(dict.fromkeys(it.mm_hash[:256] for it in ids.items))
+    return ids.session_id[:128], ids.batch_id, mm_hashes

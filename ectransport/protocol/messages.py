@@ -1,6 +1,7 @@
-"""ECTP v1 wire messages (msgspec Structs, msgpack maps, tagged by ``"k"``).
+"""ECTP wire messages (msgspec Structs, msgpack maps, tagged by ``"k"``): v1's, and the frames
+of v2 (``ReqBatch`` / ``AckBatch`` / ``Parked``, refused below v2: :data:`SINCE`).
 
-Rules (see ``protocols/ectp-v1.md``):
+Rules (see ``protocols/ectp-v1.md`` and, for what v2 adds, ``protocols/ectp-v2.md``):
 
 * every frame carries ``v`` — the protocol version — as a **required** field. It has no default, so
   msgspec always writes it and a frame without it fails validation (vLLM's ``connector_version`` is a
@@ -23,8 +24,9 @@ from ectransport.protocol.status import Status
 #: Major version of ECTP: part of the compatibility hash. Versions 1..N of the same major keep the
 #: ``Hello``/``Welcome`` bodies unchanged.
 PROTOCOL_MAJOR = 1
-#: Protocol versions this build speaks, lowest first.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+#: Protocol versions this build speaks, lowest first (v2: ``protocols/ectp-v2.md``). A node
+#: configured with ``versions=(1,)`` speaks v1 only.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 
 #: Bounds that keep decoding cheap whatever a peer sends.
 MAX_ID_LEN = 128
@@ -178,10 +180,93 @@ class Nack(Message, frozen=True, tag="nack"):
     detail: Detail
 
 
-AnyMessage = Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack
+# -- ECTP v2 (protocols/ectp-v2.md): batches, readiness wait, small entries inline -----------------
+
+#: Most entries one ``ReqBatch`` / ``AckBatch`` names.
+MAX_BATCH_ITEMS = 64
+#: Largest entry an ``AckItem`` may carry inline (wire bound; the producer's threshold is lower).
+MAX_INLINE_BYTES = 1 << 20
+#: Longest readiness wait a ``ReqBatch`` may ask for, seconds (the producer may cap it lower).
+MAX_WAIT_S = 60.0
+
+
+class ReqItem(msgspec.Struct, frozen=True):
+    """One entry of a ``ReqBatch``: as ``XferReq``'s ``mm_hash`` and ``dest``."""
+
+    mm_hash: MmHash
+    dest: Annotated[bytes, msgspec.Meta(max_length=MAX_DEST_BYTES)]
+
+
+class ReqBatch(Message, frozen=True, tag="reqs"):
+    """v2. Consumer → producer: ``XferReq`` for several entries in one frame.
+
+    ``batch_id`` is the consumer's id for this frame (unique per session), echoed by every
+    ``AckBatch`` that answers it. ``wait_s``: an item whose entry is reserved but not yet ready
+    (would be NACK_NOT_READY) is answered when it becomes ready, or with NACK_NOT_READY once
+    ``wait_s`` has passed since the producer received the frame (0: answer at once, as v1).
+    ``inline_max``: the largest entry, bytes, the consumer accepts inline in the answer (0: none).
+    Mm_hashes are distinct within a batch.
+    """
+
+    session_id: SessionId
+    batch_id: GrantId
+    compat_hash: CompatHash
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
+    inline_max: Annotated[int, msgspec.Meta(ge=0, le=MAX_INLINE_BYTES)]
+    items: Annotated[list[ReqItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
+class AckItem(msgspec.Struct, frozen=True):
+    """The answer for one item of a ``ReqBatch``: as ``XferAck`` (``grant`` set iff OK and not
+    inline), or, for an OK entry of at most the batch's ``inline_max`` bytes, ``data``: the
+    entry's bytes themselves (``grant`` None; nothing to read, pin or complete)."""
+
+    mm_hash: MmHash
+    status: Status
+    grant: Grant | None
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_INLINE_BYTES)]
+    detail: Detail
+
+
+class AckBatch(Message, frozen=True, tag="acks"):
+    """v2. Producer → consumer: answers to some items of the ``ReqBatch`` ``batch_id``.
+
+    Items that can be answered at once come in one frame; items waiting for readiness come in
+    later frames of the same ``batch_id``. Every item of the batch is answered exactly once.
+    """
+
+    session_id: SessionId
+    batch_id: GrantId
+    items: Annotated[list[AckItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
+class Parked(Message, frozen=True, tag="park"):
+    """v2. Producer → consumer: these ``items`` of the ``ReqBatch`` ``batch_id`` wait at the
+    producer for their entries to become ready (ECTP v2 §4.3).
+
+    Sent once per batch that parks items, in the same step as the batch's immediate
+    ``AckBatch`` (or alone when nothing was answerable at once), so that a consumer hears from
+    every item within its ack timeout — an item neither answered nor parked by then means the
+    producer is not responding. ``wait_s`` is the wait the producer honours, seconds from when it
+    received the batch: ``min(ReqBatch.wait_s, its max_wait_s)``; the item is answered (an
+    ``AckBatch``) at the latest when it is over. Mm_hashes are distinct and named by the batch.
+    """
+
+    session_id: SessionId
+    batch_id: GrantId
+    items: Annotated[list[MmHash], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
+
+
+AnyMessage = (Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack | ReqBatch | AckBatch
+              | Parked)
 
 #: tag → class, for the first decoding phase and for docs/tests.
 KINDS: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
-    for cls in (Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack)
+    for cls in (Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack, ReqBatch, AckBatch,
+                Parked)
 }
+#: tag → the protocol version that introduced it; a frame of that kind with an older ``v`` is
+#: refused (NACK_VERSION), so a v1 session never sees v2 frames, whatever ``v`` they claim.
+SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2}

@@ -3,6 +3,7 @@
 from ectransport.session.commands import (
     Bind,
     Command,
+    Land,
     Landed,
     Miss,
     MissReason,
@@ -23,7 +24,7 @@ from ectransport.session.producer import ProducerConfig, ProducerSession, notif_
 
 __all__ = [
     "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "IllegalTransition",
-    "Landed", "Link", "Miss", "MissReason",
+    "Land", "Landed", "Link", "Miss", "MissReason",
     "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke", "Send",
     "notif_for", "parse_notif",
 ]

@@ -42,6 +42,17 @@ class PostRead:
 
 
 @dataclass(frozen=True)
+class Land:
+    """Consumer (ECTP v2): copy ``data`` — an entry the producer sent inline, in its answer —
+    into the local ``runs`` (its first ``len(data)`` bytes). Executed in order: the
+    :class:`Report` of that fetch follows it in the same command list, so the bytes are in place
+    before anyone is told they landed. No data-plane transfer, nothing to release."""
+
+    runs: tuple[Run, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Bind:
     """Consumer: the producer was welcomed on ``plane`` and declared ``endpoint`` (its plane's
     ``DataTransport.endpoint()``); validate it with the plane's ``bind_peer`` and answer with
@@ -105,4 +116,4 @@ class Report:
     outcome: Landed | Miss
 
 
-Command = Send | Revoke | PostRead | Bind | Release | Report
+Command = Send | Revoke | PostRead | Land | Bind | Release | Report

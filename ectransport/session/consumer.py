@@ -20,7 +20,9 @@ consumer's clock; see :mod:`ectransport.session.fetch` (ECTP v1 §6.3).
 
 The module is split by concept: :mod:`.link` (connection state and its transition table),
 :mod:`.fetch` (a fetch's states and record, the settings, the grant checks and validity window),
-:mod:`.consumer_state` (the state kept and how a fetch ends); here: the events and frames.
+:mod:`.consumer_state` (the state kept and how a fetch ends), :mod:`.consumer_batches` (ECTP v2's
+``AckBatch``/``Parked`` frames, inline entries, and the answer to a request, v1 or v2); here: the
+events, the connection's frames (Welcome, binding) and v1's ``XferAck``.
 
 **Binding** (issue 17). A Welcome's ``endpoint`` (the producer plane's declaration) is handed to
 the node as a :class:`Bind` command; fetches wait until :meth:`on_bound` (with the plane's binding,
@@ -31,6 +33,11 @@ this session alone.
 is quarantined for a backoff that doubles from ``peer_backoff_s`` up to ``peer_backoff_max_s``;
 meanwhile :meth:`fetch` fails fast with ``Miss(QUARANTINED)``. The first fetch after the backoff
 re-sends ``Hello`` as a probe; a ``Welcome`` lifts the quarantine and resets the backoff.
+
+**ECTP v2** (negotiated in Hello; a v1 session behaves exactly as above): every request is a
+``ReqBatch``, answered item by item in ``AckBatch`` and ``Parked`` frames; those frames, inline
+entries and the answer handling v1 shares are in :mod:`.consumer_batches` (its docstring has the
+rules).
 
 Local blocks are allocated from the consumer's :class:`BlockStore` once the ack tells the size,
 under the key ``<mm_hash>#<n>`` (a landing zone, not a cache: several landed copies of one
@@ -43,9 +50,10 @@ import logging
 from typing import Any
 
 from ectransport.protocol import (
-    RETRYABLE,
+    AckBatch,
     FrameError,
     Nack,
+    Parked,
     Renew,
     Status,
     Welcome,
@@ -60,12 +68,11 @@ from ectransport.session.commands import (
     Landed,
     Miss,
     MissReason,
-    PostRead,
     Release,
     Report,
     Send,
 )
-from ectransport.session.consumer_state import ConsumerState
+from ectransport.session.consumer_batches import ConsumerBatches
 from ectransport.session.fetch import (
     MAX_LATE_GRANTS,
     MAX_LEASE_S,
@@ -74,12 +81,8 @@ from ectransport.session.fetch import (
     ConsumerConfig,
     Fetch,
     FetchState,
-    grant_problem,
-    valid_until,
 )
-from ectransport.session.grants import notif_for
 from ectransport.session.link import LINK_TRANSITIONS, IllegalTransition, Link
-from ectransport.store import AllocFailed
 
 log = logging.getLogger("ectransport.session.consumer")
 
@@ -89,8 +92,9 @@ __all__ = [
 ]
 
 
-class ConsumerSession(ConsumerState):
-    """Fetches from one producer connection (see module docstring).
+class ConsumerSession(ConsumerBatches):
+    """Fetches from one producer connection (see the module docstring; ECTP v2: the docstring of
+    :mod:`ectransport.session.consumer_batches`).
 
     Args:
         config: :class:`ConsumerConfig`.
@@ -110,40 +114,52 @@ class ConsumerSession(ConsumerState):
         self._go("up")
         return [] if self.link is Link.FAILED else self._hello(now)
 
-    def fetch(self, mm_hash: str, now: float, deadline: float) -> list[Command]:
-        """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest."""
-        if self.failed is not None:
-            return [Report(Miss(mm_hash, self.failed.reason, self.failed.detail))]
-        if now < self.blocked_until:
-            return [
-                Report(
-                    Miss(
-                        mm_hash,
-                        MissReason.QUARANTINED,
-                        f"producer quarantined for {self.blocked_until - now:.1f} s more "
-                        f"after: {self.blocked_reason}",
-                    )
-                )
-            ]
-        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
-            return [
-                Report(
-                    Miss(
-                        mm_hash, MissReason.INTERNAL, f"mm_hash must be 1-{MAX_HASH_LEN} characters"
-                    )
-                )
-            ]
-        if mm_hash in self._fetches or mm_hash in self._quarantine:
-            return [Report(Miss(mm_hash, MissReason.INTERNAL, "already being fetched"))]
+    def fetch(self, mm_hash: str, now: float, deadline: float, *,
+              nbytes: int | None = None) -> list[Command]:
+        """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest.
+
+        ``nbytes``: the entry's size in bytes when the caller knows it (an inline answer of
+        another size is refused); None when it does not."""
+        return self.fetch_many([mm_hash], now, deadline, nbytes=nbytes)
+
+    def fetch_many(self, mm_hashes: list[str], now: float, deadline: float, *,
+                   nbytes: int | None = None) -> list[Command]:
+        """Start fetching each of ``mm_hashes`` (e.g. the images of one request); every one is
+        reported by ``deadline`` at the latest, each on its own. On a v2 session they are asked
+        for in one ``ReqBatch`` (per 64) and their READs posted together; on v1, one XferReq
+        each. An mm_hash already in flight, given twice or malformed misses at once (INTERNAL);
+        a failed or quarantined session makes every one miss at once."""
         cmds: list[Command] = []
-        if (self._probe_due and self.link in (Link.READY, Link.GREETING)
-                and not any(x.state is FetchState.QUEUED for x in self._fetches.values())):
-            cmds += self._probe(now)  # probe a producer whose quarantine just ended
-        f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now)
-        self._fetches[mm_hash] = f
-        if self.link is Link.READY:  # else it waits: sent once the session is READY (again)
-            cmds += self._send_req(f, now)
+        new: list[Fetch] = []
+        for mm_hash in mm_hashes:
+            miss = self._refusal(mm_hash, now)
+            if miss is not None:
+                cmds.append(Report(miss))
+                continue
+            if (self._probe_due and self.link in (Link.READY, Link.GREETING)
+                    and not any(x.state is FetchState.QUEUED for x in self._fetches.values())):
+                cmds += self._probe(now)  # probe a producer whose quarantine just ended
+            f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now,
+                      expected_bytes=nbytes)
+            self._fetches[mm_hash] = f
+            new.append(f)
+        if new and self.link is Link.READY:  # else they wait: sent once READY (again)
+            cmds += self._send_reqs(new, now)
         return cmds
+
+    def _refusal(self, mm_hash: str, now: float) -> Miss | None:
+        """Why a new fetch of ``mm_hash`` misses at once (None: it can start)."""
+        if self.failed is not None:
+            return Miss(mm_hash, self.failed.reason, self.failed.detail)
+        if now < self.blocked_until:
+            return Miss(mm_hash, MissReason.QUARANTINED,
+                        f"producer quarantined for {self.blocked_until - now:.1f} s more "
+                        f"after: {self.blocked_reason}")
+        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
+            return Miss(mm_hash, MissReason.INTERNAL, f"mm_hash must be 1-{MAX_HASH_LEN} characters")
+        if mm_hash in self._fetches or mm_hash in self._quarantine:
+            return Miss(mm_hash, MissReason.INTERNAL, "already being fetched")
+        return None
 
     def fetch_probe(self, now: float) -> list[Command]:
         """Probe a producer whose quarantine ended (Hello), without a fetch."""
@@ -173,6 +189,7 @@ class ConsumerSession(ConsumerState):
         why = "producer went away" if was_connected else "producer unreachable (no connection)"
         self.version = None
         self._welcome = None
+        self._batches.clear()  # their answers can no longer come: every waiting fetch ended
         self._hello_deadline = float(
             "inf"
         )  # the next Up sends Hello; queued fetches keep their deadlines
@@ -191,6 +208,10 @@ class ConsumerSession(ConsumerState):
                 return self._on_welcome(msg, now)
             case XferAck():
                 return self._on_ack(msg, now)
+            case AckBatch():
+                return self._on_acks(msg, now)
+            case Parked():
+                return self._on_parked(msg, now)
             case Nack():
                 log.warning(
                     "producer %s NACKed a frame: %s %s", self.conn, msg.status.name, msg.detail
@@ -286,6 +307,8 @@ class ConsumerSession(ConsumerState):
         for q in list(self._quarantine.values()):
             if now >= q.deadline:
                 cmds += self._settle(q)
+        if self._batches:
+            self._prune_batches()
         return cmds
 
     def close(self) -> list[Command]:
@@ -339,11 +362,8 @@ class ConsumerSession(ConsumerState):
         self.blocked_until, self.blocked_reason, self._probe_due = 0.0, "", False
         self._hello_deadline = float("inf")
         self._backoff = self.config.peer_backoff_s
-        cmds: list[Command] = []
-        for f in list(self._fetches.values()):
-            if f.state is FetchState.QUEUED:
-                cmds += self._send_req(f, now)
-        return cmds
+        queued = [f for f in self._fetches.values() if f.state is FetchState.QUEUED]
+        return self._send_reqs(queued, now) if queued else []
 
     def on_bind_failed(self, detail: str, now: float) -> list[Command]:
         """The node's plane refused the Welcome's endpoint (malformed, or naming what this
@@ -361,81 +381,18 @@ class ConsumerSession(ConsumerState):
 
     def _on_ack(self, msg: XferAck, now: float) -> list[Command]:
         f = self._fetches.get(msg.mm_hash)
-        if f is None or f.state is not FetchState.WAITING_ACK or msg.session_id != self.session_id:
+        if (f is None or f.state is not FetchState.WAITING_ACK or f.batch_id != -1
+                or msg.session_id != self.session_id):
             # the late grant of a request we gave up on: let the producer unpin now — once, and
             # only for a request we really sent (never a reflection of unsolicited acks)
             if (
                 msg.status is Status.OK
                 and msg.grant is not None
                 and msg.session_id == self.session_id
-                and msg.mm_hash in self._abandoned
+                and (-1, msg.mm_hash) in self._abandoned
                 and f is None
             ):
-                del self._abandoned[msg.mm_hash]
+                del self._abandoned[(-1, msg.mm_hash)]
                 return [self._done(msg.mm_hash, msg.grant.grant_id, ok=False)]
             return []
-        f.timings["ack"] = now
-        if msg.status in RETRYABLE:
-            f.last_nack = msg.status
-            f.retry_s = min(
-                max(f.retry_s * 2, self.config.retry_backoff_s), self.config.retry_backoff_max_s
-            )
-            f.state = FetchState.BACKOFF
-            f.deadline = min(f.final_deadline, now + f.retry_s)
-            return []
-        if msg.status is not Status.OK:
-            del self._fetches[f.mm_hash]
-            if msg.status is Status.NACK_INTERNAL:
-                self._penalize(now, f"NACK_INTERNAL: {msg.detail}")
-            reason = NACK_REASON.get(msg.status, MissReason.INTERNAL)
-            detail = f"{msg.status.name}: {msg.detail}" if msg.detail else msg.status.name
-            return [Report(Miss(f.mm_hash, reason, detail))]
-        g = msg.grant
-        bad = grant_problem(g, self.plane, self.store)
-        if bad:  # refused, never clamped: a producer that sends this is broken or hostile
-            del self._fetches[f.mm_hash]
-            cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL, f"bad grant: {bad}"))]
-            if g is not None:
-                cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
-            return cmds
-        assert g is not None
-        window_end = valid_until(f.req_sent, g.lease_s, self.config.validity_margin_s)
-        if now >= window_end:  # the lease may be over already: never use this grant (§6.3)
-            cmds = [self._done(f.mm_hash, g.grant_id, ok=False)]
-            late = now - window_end
-            f.late_grants += 1
-            if f.late_grants <= MAX_LATE_GRANTS and now + self.config.ack_timeout_s < f.final_deadline:
-                log.warning("grant for %s handled %.3f s after its validity window; asking again",
-                            f.mm_hash[:12], late, extra={"peer": self.conn})
-                return cmds + self._send_req(f, now)
-            del self._fetches[f.mm_hash]
-            return cmds + [Report(Miss(
-                f.mm_hash, MissReason.TIMEOUT,
-                f"grant handled {late:.3f} s after its validity window (lease {g.lease_s} s from "
-                f"the request); not used"))]
-        f.grant_id, f.lease_s, f.valid_until = g.grant_id, g.lease_s, window_end
-        self._seq += 1
-        # landing keys are unique per consumer node: the session id is (UUID4), the sequence
-        # is per session — fetches of one mm_hash from several producers never collide
-        entry = self.store.alloc(f"{f.mm_hash}#{self.session_id}.{self._seq}", g.entry_bytes)
-        if isinstance(entry, AllocFailed):
-            del self._fetches[f.mm_hash]
-            return [
-                self._done(f.mm_hash, g.grant_id, ok=False),
-                Report(
-                    Miss(
-                        f.mm_hash,
-                        MissReason.NO_SPACE,
-                        f"local region cannot hold {g.entry_bytes} bytes ({entry.reason})",
-                    )
-                ),
-            ]
-        f.entry = entry
-        f.state = FetchState.READING
-        f.deadline = min(f.final_deadline, now + self.config.read_timeout_s, window_end)
-        if not any(x.state is FetchState.READING and x is not f for x in self._fetches.values()):
-            self._next_renew = now + f.lease_s / 6
-        notif = (notif_for((self.session_id, f.mm_hash, g.grant_id))
-                 if self.config.request_notifications else b"")
-        return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif,
-                         self.binding)]
+        return self._on_answer(f, msg.status, msg.grant, msg.detail, now)

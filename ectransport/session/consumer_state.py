@@ -1,7 +1,8 @@
 """The state a :class:`~ectransport.session.consumer.ConsumerSession` keeps, and how a fetch
 ends: the link state, the peer quarantine, the fetch table (fetches in flight, transfers in
 quarantine), their deadlines, and the ways out — landed, missed, quarantined, settled, the whole
-session failed. The events and frames that drive it are in :mod:`ectransport.session.consumer`.
+session failed. The events and frames that drive it are in :mod:`ectransport.session.consumer`
+and (ECTP v2's batches, and the answer to a request) :mod:`ectransport.session.consumer_batches`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ectransport.protocol import (
+    MAX_BATCH_ITEMS,
+    MAX_INLINE_BYTES,
+    MAX_WAIT_S,
     Hello,
+    ReqBatch,
+    ReqItem,
     Status,
     Welcome,
     XferDone,
@@ -31,6 +37,7 @@ from ectransport.session.commands import (
 )
 from ectransport.session.fetch import (
     NACK_REASON,
+    Batch,
     ConsumerConfig,
     Fetch,
     FetchState,
@@ -75,9 +82,24 @@ class ConsumerState:
         self._seq = 0
         self._welcome: Welcome | None = None  # an OK Welcome whose endpoint is being bound
         self.binding: Any = None  # the plane's binding of this producer (PostRead.prepared)
-        #: mm_hashes whose XferReq timed out unanswered (a late OK ack is given back with an
-        #: XferDone); bounded, so unsolicited acks are never reflected one for one.
-        self._abandoned: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: (batch id, mm_hash) of requests that timed out unanswered (batch id -1: an XferReq):
+        #: a late OK grant is given back with an XferDone; bounded, so unsolicited acks are never
+        #: reflected one for one.
+        self._abandoned: collections.OrderedDict[tuple[int, str], None] = \
+            collections.OrderedDict()
+        #: ECTP v2: ReqBatch frames not wholly answered, by batch id (at most one per fetch
+        #: waiting for its answer; pruned in :meth:`_prune_batches`).
+        self._batches: dict[int, Batch] = {}
+        self._batch_seq = 0
+        #: ids of batches answered in full lately (bounded): a later answer for one of them is
+        #: counted as a second answer, not as a batch never sent
+        self._answered: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: answers ignored, by why: ``foreign_session``, ``unknown_batch``, ``not_in_batch``,
+        #: ``second_answer``, ``bad_inline``; items of ``Parked`` frames ignored:
+        #: ``parked_foreign_session``, ``parked_unknown_batch``, ``parked_not_in_batch``,
+        #: ``parked_twice``, ``parked_answered`` (a hostile or confused producer; see the v2
+        #: rules)
+        self.ignored: collections.Counter[str] = collections.Counter()
         self.observer = observer
 
     # -- queries -------------------------------------------------------------------------------
@@ -176,31 +198,75 @@ class ConsumerState:
             reason = NACK_REASON.get(f.last_nack, MissReason.INTERNAL)
             return [Report(Miss(f.mm_hash, reason, f"still {f.last_nack.name} at the deadline"))]
         if f.state is FetchState.WAITING_ACK:
-            self._abandon(f.mm_hash)
+            self._abandon(f.batch_id, f.mm_hash)
+            b = self._batches.get(f.batch_id) if f.batch_id >= 0 else None
+            why = ("parked, but no ack by the end of the producer's wait"
+                   if b is not None and f.mm_hash in b.parked else "no ack before the deadline")
             if not own:
-                self._penalize(now, "no ack before the deadline")
-            return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "no ack before the deadline"))]
+                self._penalize(now, why)
+            return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, why))]
         return [Report(Miss(f.mm_hash, MissReason.TIMEOUT, "not connected before the deadline"))]
 
-    def _abandon(self, mm_hash: str) -> None:
-        self._abandoned[mm_hash] = None
-        self._abandoned.move_to_end(mm_hash)
+    def _abandon(self, batch_id: int, mm_hash: str) -> None:
+        key = (batch_id, mm_hash)
+        self._abandoned[key] = None
+        self._abandoned.move_to_end(key)
         while len(self._abandoned) > 1024:
             self._abandoned.popitem(last=False)
 
     def _send_req(self, f: Fetch, now: float) -> list[Command]:
-        f.state = FetchState.WAITING_ACK
-        f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
-        f.req_sent = now
-        f.timings.setdefault("req", now)
-        req = XferReq(
-            v=self.version or 0,
-            session_id=self.session_id,
-            mm_hash=f.mm_hash,
-            compat_hash=self.config.compat_hash,
-            dest=b"",
-        )
-        return [Send(self.conn, encode(req))]
+        return self._send_reqs([f], now)
+
+    def _send_reqs(self, fs: list[Fetch], now: float) -> list[Command]:
+        """Ask for ``fs`` (now WAITING_ACK; the validity window counts from now): one XferReq
+        each on a v1 session; on v2, one ReqBatch per :data:`MAX_BATCH_ITEMS` of them, asking the
+        producer to wait for entries not yet ready until shortly before the earliest deadline
+        (``wait_s``; no NOT_READY polling) and accepting entries up to ``inline_max_bytes``
+        inline."""
+        for f in fs:
+            f.state = FetchState.WAITING_ACK
+            f.req_sent = now
+            f.timings.setdefault("req", now)
+        if (self.version or 0) < 2:
+            cmds: list[Command] = []
+            for f in fs:
+                f.batch_id = -1
+                f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
+                cmds.append(Send(self.conn, encode(XferReq(
+                    v=self.version or 0, session_id=self.session_id, mm_hash=f.mm_hash,
+                    compat_hash=self.config.compat_hash, dest=b""))))
+            return cmds
+        inline_max = max(0, min(self.config.inline_max_bytes, MAX_INLINE_BYTES))
+        cmds = []
+        for i in range(0, len(fs), MAX_BATCH_ITEMS):
+            chunk = fs[i:i + MAX_BATCH_ITEMS]
+            left = max(0.0, min(f.final_deadline for f in chunk) - now)
+            wait_s = min(MAX_WAIT_S, max(0.0, left - min(self.config.wait_margin_s, left / 4)))
+            self._batch_seq += 1
+            bid = self._batch_seq
+            names = [f.mm_hash for f in chunk]
+            self._batches[bid] = Batch(frozenset(names), set(names), inline_max, now, wait_s)
+            for f in chunk:
+                f.batch_id = bid
+                # answered or named in a Parked frame within the ack timeout, as in v1; a
+                # Parked moves the deadline to the end of the producer's wait (_on_parked)
+                f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
+            cmds.append(Send(self.conn, encode(ReqBatch(
+                v=self.version or 0, session_id=self.session_id, batch_id=bid,
+                compat_hash=self.config.compat_hash, wait_s=wait_s, inline_max=inline_max,
+                items=[ReqItem(mm_hash=m, dest=b"") for m in names]))))
+        return cmds
+
+    def _prune_batches(self) -> None:
+        """Forget the items of sent batches whose fetch no longer waits for that batch's answer
+        (ended, or asked again in another batch), and batches left with none: the table stays
+        bounded by the fetches in flight. A late answer for a forgotten item is then ignored
+        (or, for a request given up on, its grant given back: see ``_abandoned``)."""
+        for bid, b in list(self._batches.items()):
+            b.waiting = {m for m in b.waiting if (f := self._fetches.get(m)) is not None
+                         and f.state is FetchState.WAITING_ACK and f.batch_id == bid}
+            if not b.waiting:
+                del self._batches[bid]
 
 
     def _done(self, mm_hash: str, grant_id: int, ok: bool) -> Send:
@@ -301,6 +367,7 @@ class ConsumerState:
                 del self._fetches[f.mm_hash]
                 cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
         self._welcome = None
+        self._batches.clear()
         self._go("fail")
         return cmds
 

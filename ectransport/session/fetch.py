@@ -12,6 +12,14 @@ fetch deadline allows, at most :data:`MAX_LATE_GRANTS` times), and a transfer wh
 observed after it is discarded and reported as a miss (its transfer is quarantined as after a read
 timeout). ``Renew`` frames are not confirmed in v1, so the consumer never counts them: a transfer
 must complete inside the window of its own request.
+
+**ECTP v2** (protocols/ectp-v2.md). On a session negotiated at v2 every request is a
+``ReqBatch`` (:class:`Batch` remembers what it asked), and the same window applies to a grant
+in an ``AckBatch``, counted from when that ``ReqBatch`` was sent. Each item must be answered or
+named in a ``Parked`` frame within ``ack_timeout_s`` of the send (as an ``XferReq`` in v1);
+a parked item's answer is due by :func:`parked_deadline`. An entry answered *inline* (its
+bytes in the answer, no grant) needs no window: the bytes are a copy, taken by the producer while
+it held the entry; :func:`inline_problem` is what they must pass before they are landed.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ectransport.protocol import Status
+from ectransport.protocol import MAX_INLINE_BYTES, Status
 from ectransport.session.commands import MissReason
 from ectransport.settings_schema import API
 from ectransport.store import BlockStore, Entry
@@ -38,7 +46,7 @@ MAX_LATE_GRANTS = 3
 class FetchState(enum.Enum):
     QUEUED = "queued"  #: waiting for the connection to be welcomed
     WAITING_ACK = "waiting_ack"
-    BACKOFF = "backoff"  #: a retryable NACK; XferReq is sent again at ``retry_at``
+    BACKOFF = "backoff"  #: a retryable NACK; the request is sent again at ``deadline``
     READING = "reading"
     QUARANTINED = "quarantined"
 
@@ -63,7 +71,8 @@ class ConsumerConfig:
         compat_hash: must equal the producer's.
         planes: data planes this node can use, best first.
         versions: protocol versions spoken.
-        ack_timeout_s: XferReq → XferAck deadline [2 s, as vLLM's consumer_ack_timeout_s].
+        ack_timeout_s: XferReq → XferAck deadline; on v2, ReqBatch → each item's answer or
+            its ``Parked`` [2 s, as vLLM's consumer_ack_timeout_s].
         read_timeout_s: data-plane transfer deadline after the ack [20 s].
         quarantine_s: how long a timed-out transfer keeps its local blocks [60 s].
         hello_timeout_s: connection + Hello → Welcome deadline [5 s].
@@ -81,6 +90,12 @@ class ConsumerConfig:
             backstop for a consumer that dies between the two). Off by default: over NIXL the
             notification is a second UCX message the READ waits for, measured +0.15 ms per
             64 KiB fetch on a 2-core host, nothing at 8.8 MiB. [False]
+        inline_max_bytes: ECTP v2: the largest entry, bytes, this consumer accepts inline in an
+            ``AckBatch`` (sent as the ``ReqBatch``'s ``inline_max``; clamped to the wire's 1 MiB;
+            0 turns inline answers off) [64 KiB].
+        wait_margin_s: ECTP v2: a ``ReqBatch`` asks the producer to wait for entries not yet
+            ready for the fetch's remaining time minus this margin (at most a quarter of the
+            remaining time), so that a NACK_NOT_READY still arrives before the deadline [0.25 s].
     """
 
     node_id: str
@@ -99,6 +114,8 @@ class ConsumerConfig:
     validity_margin_s: float = 0.25
     localities: tuple[tuple[str, bytes], ...] = ()
     mem_kinds: tuple[str, ...] = ("DRAM",)
+    inline_max_bytes: int = API.consumer.inline_max_bytes
+    wait_margin_s: float = 0.25
 
 
 @dataclass
@@ -120,6 +137,39 @@ class Fetch:
     valid_until: float = float("inf")  # end of the granted lease's validity window
     last_nack: Status | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    batch_id: int = -1  # v2: the ReqBatch whose answer is awaited (-1: an XferReq, v1)
+    expected_bytes: int | None = None  # the entry's size when the caller knows it
+
+
+@dataclass
+class Batch:
+    """A ``ReqBatch`` sent (ECTP v2) whose items are not all answered yet.
+
+    ``items``: the mm_hashes it named; ``waiting``: those not answered yet (an answer for one
+    not in ``waiting`` is a second answer or names something never asked: ignored);
+    ``inline_max``: what it accepted inline, bytes; ``sent``: when it was sent (consumer
+    clock); ``wait_s``: the wait it asked for; ``parked``: the items a ``Parked`` frame named
+    (each once: a second naming is ignored), whose answer is due by
+    :func:`parked_deadline` instead of ``sent + ack_timeout_s``.
+    """
+
+    items: frozenset[str]
+    waiting: set[str]
+    inline_max: int
+    sent: float = 0.0
+    wait_s: float = 0.0
+    parked: set[str] = field(default_factory=set)
+
+
+def parked_deadline(sent: float, requested_wait_s: float, parked_wait_s: float,
+                    ack_timeout_s: float, final_deadline: float) -> float:
+    """When the answer of a parked batch item is due (ECTP v2 §6), seconds on the consumer's
+    clock: ``sent + min(parked_wait_s, requested_wait_s) + ack_timeout_s`` — the producer
+    answers by the end of the wait it honours, counted from when it received the batch (after
+    ``sent``); a ``Parked.wait_s`` above what the batch asked for is not believed — and never
+    later than the fetch's ``final_deadline``."""
+    wait_s = max(0.0, min(parked_wait_s, requested_wait_s))
+    return min(final_deadline, sent + wait_s + ack_timeout_s)
 
 
 def valid_until(req_sent: float, lease_s: float, validity_margin_s: float) -> float:
@@ -141,4 +191,21 @@ def grant_problem(g: Any, plane: str | None, store: BlockStore) -> str:
     if not (math.isfinite(g.lease_s) and MIN_LEASE_S <= g.lease_s <= MAX_LEASE_S):
         return (f"lease_s must be a number of seconds in [{MIN_LEASE_S:g}, {MAX_LEASE_S:g}], "
                 f"got {g.lease_s!r}")
+    return ""
+
+
+def inline_problem(data: bytes, inline_max: int, block_bytes: int,
+                   expected_bytes: int | None) -> str:
+    """Why an entry sent inline cannot be landed ("" if it can): at most ``inline_max`` bytes
+    (what the batch accepted, itself at most ``MAX_INLINE_BYTES``), a whole number of rows
+    (``block_bytes`` each: the layout's one row per block), and ``expected_bytes`` when the
+    caller knows the size."""
+    n = len(data)
+    if n > min(inline_max, MAX_INLINE_BYTES):
+        return f"inline entry of {n} bytes, more than the {inline_max} bytes this batch accepted"
+    if block_bytes > 0 and n % block_bytes:
+        return (f"inline entry of {n} bytes is not a whole number of {block_bytes}-byte rows "
+                f"(the layout)")
+    if expected_bytes is not None and n != expected_bytes:
+        return f"inline entry of {n} bytes, expected {expected_bytes}"
     return ""

@@ -8,11 +8,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ectransport.protocol import Grant
 from ectransport.settings_schema import API
 from ectransport.store import Run
 
 #: Session ids are opaque to the producer but must not contain ':' (the notification separator).
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: Most batch items (ECTP v2) one consumer connection may have waiting for readiness at once;
+#: beyond it an item is answered NACK_NOT_READY at once, as in v1 (bounds the producer's memory
+#: whatever a consumer sends: 64 items per frame, frames rate-limited, waits up to 60 s).
+MAX_WAITING_PER_PEER = 1024
 
 Describe = Callable[[Sequence[Run], int], bytes]
 
@@ -31,6 +36,12 @@ class ProducerConfig:
         grace_s: how long the blocks of a grant that ended without a confirmed completion stay
             pinned before they may be re-allocated [5 s; the grace rule: the
             ``ectransport.session.producer`` docstring].
+        max_wait_s: ECTP v2: the longest a batch item for a reserved, not yet ready entry waits
+            for its commit before it is answered NACK_NOT_READY; a ``ReqBatch`` asking for longer
+            is capped to it [5 s; 0 = answer at once, as v1].
+        inline_max_bytes: ECTP v2: an OK entry of at most this many bytes (and at most the
+            batch's ``inline_max``) is answered with its bytes inline, without a grant [64 KiB:
+            below it, one control frame is faster than grant + READ + XferDone].
     """
 
     node_id: str
@@ -40,6 +51,8 @@ class ProducerConfig:
     lease_s: float = API.producer.lease_s
     budget_bytes: int | None = API.producer.budget_bytes
     grace_s: float = API.producer.grace_s
+    max_wait_s: float = API.producer.max_wait_s
+    inline_max_bytes: int = API.producer.inline_max_bytes
 
 
 @dataclass
@@ -54,12 +67,19 @@ class PeerState:
     identity: str  # budget / quarantine identity: CURVE key, else the session id
     grants: set[tuple[str, str, int]] = field(default_factory=set)
     by_gid: dict[int, tuple[str, str, int]] = field(default_factory=dict)  # for Renew
+    #: ECTP v2: batch id → how many of its items wait for readiness (only batches with some)
+    waiting: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def waiting_items(self) -> int:
+        return sum(self.waiting.values())
 
 
 @dataclass
 class GrantRecord:
-    """One live grant: who holds it, what it pins and charges, its lease deadline and its ack
-    (answered again, byte for byte, to a duplicate request)."""
+    """One live grant: who holds it, what it pins and charges, its lease deadline, the grant
+    itself and its ack (answered again, byte for byte, to a duplicate request; ``b""`` for a
+    grant issued in an ``AckBatch`` until a duplicate ``XferReq`` asks for it)."""
 
     key: tuple[str, str, int]
     peer: Any
@@ -73,6 +93,25 @@ class GrantRecord:
     plane: str
     plane_grant: bytes
     issued: float = 0.0  # when the grant was issued (observability only)
+    grant: Grant | None = None
+
+
+@dataclass(eq=False)
+class WaitingItem:
+    """ECTP v2: one item of a ``ReqBatch`` whose entry was reserved but not ready, parked until
+    the entry becomes ready, goes away, or ``until`` (session time) passes — then answered in an
+    ``AckBatch`` of ``batch_id``. ``answered`` marks it done (the deadline heap drops it lazily).
+    """
+
+    peer: Any
+    session_id: str
+    batch_id: int
+    mm_hash: str
+    v: int
+    inline_max: int
+    received: float
+    until: float
+    answered: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,17 @@ pin is dropped at the next :meth:`ProducerSession.poll`, after the node performe
 Held-back pins stay charged to the consumer's pin budget until they are dropped, so a consumer
 cannot pin more than its budget by giving grants back. Shutdown releases at once (the planes
 close next). The consumer's own rule (it uses a grant only inside ``request sent + lease −
+margin`` on its own clock) is the other half: ``ectransport.session.fetch``.
+
+**ECTP v2** (``protocols/ectp-v2.md``; a session negotiates it when both sides speak it): a
+``ReqBatch`` asks for several entries at once; items whose entry is reserved but not ready wait
+at the producer until it is ready (no NACK_NOT_READY and retry backoff); small entries are
+answered inline, with their bytes and no grant. See :mod:`.producer_batches`.
 
 The module is split by concept: :mod:`.grants` (the settings, the per-peer and per-grant records,
 the notification form of a grant key), :mod:`.producer_state` (the state kept, its invariants, how
-a grant ends); here: the frames and events.
+one entry is answered and how a grant ends), :mod:`.producer_batches` (v2: batches, waiting
+items, inline answers); here: the v1 frames and the events.
 """
 
 from __future__ import annotations
@@ -41,9 +48,9 @@ from typing import Any
 
 from ectransport.protocol import (
     FrameError,
-    Grant,
     Hello,
     Renew,
+    ReqBatch,
     Status,
     Welcome,
     XferAck,
@@ -52,19 +59,17 @@ from ectransport.protocol import (
     decode,
     encode,
 )
-from ectransport.protocol.messages import MAX_GRANT_BYTES
-from ectransport.session.commands import Command, Revoke, Send
+from ectransport.session.commands import Command, Send
 from ectransport.session.grants import (
     SESSION_ID,
     Describe,
-    GrantRecord,
     GrantView,
     PeerState,
     ProducerConfig,
     notif_for,
     parse_notif,
 )
-from ectransport.session.producer_state import ProducerState
+from ectransport.session.producer_batches import ProducerBatches
 
 log = logging.getLogger("ectransport.session.producer")
 
@@ -72,7 +77,7 @@ __all__ = ["Describe", "GrantView", "ProducerConfig", "ProducerSession", "notif_
            "parse_notif"]
 
 
-class ProducerSession(ProducerState):
+class ProducerSession(ProducerBatches):
     """Grants access to entries of ``store`` (see module docstring).
 
     Args:
@@ -95,6 +100,8 @@ class ProducerSession(ProducerState):
         revocable: ``(plane) -> bool``: whether revoking a grant on that plane stops every access
             to its blocks before it returns (producer-served PUSH planes); those grants need no
             grace period. Default: no plane is (the safe assumption).
+        read: ``(runs, nbytes) -> bytes``: an entry's bytes, for v2 inline answers (called with
+            the node's lock held, so a READY entry's blocks are stable); None: never inline.
     """
 
     # -- events --------------------------------------------------------------------------------
@@ -113,6 +120,8 @@ class ProducerSession(ProducerState):
                 return self._on_hello(peer, msg, user)
             case XferReq():
                 return self._on_req(peer, state, msg, now)
+            case ReqBatch():
+                return self._on_batch(peer, state, msg, now)
             case XferDone():
                 if state is None or msg.session_id != state.session_id:
                     return [
@@ -144,10 +153,12 @@ class ProducerSession(ProducerState):
         return self._release(key, "completed", now) if key is not None else []
 
     def on_peer_down(self, peer: Any, now: float) -> list[Command]:
-        """The consumer went away: release its grants at once instead of waiting for leases."""
-        state = self._peers.pop(peer, None)
-        if state is None:
+        """The consumer went away: release its grants at once instead of waiting for leases, and
+        drop its batch items still waiting (unanswered: nobody is left to read the answer)."""
+        if peer not in self._peers:
             return []
+        self._drop_waiting(peer)
+        state = self._peers.pop(peer)
         self._sessions.pop(state.session_id, None)
         cmds: list[Command] = []
         for key in list(state.grants):
@@ -155,10 +166,11 @@ class ProducerSession(ProducerState):
         return cmds
 
     def poll(self, now: float) -> list[Command]:
-        """Sweep every lease (an expired grant ends exactly once) and every grace period (its
-        pin is dropped)."""
+        """Sweep every lease (an expired grant ends exactly once), every grace period (its pin
+        is dropped) and every waiting batch item (answered if its entry became ready or went
+        away unreported, NACK_NOT_READY once its wait is over)."""
         self._now = now
-        cmds: list[Command] = []
+        cmds: list[Command] = self._sweep_waiting(now) if self._wait_heap else []
         while self._grace and self._grace[0][0] <= now:
             _, mm_hash, entry_id, identity, nbytes = heapq.heappop(self._grace)
             self.store.unpin(mm_hash, entry_id)
@@ -184,7 +196,8 @@ class ProducerSession(ProducerState):
 
     def close(self) -> list[Command]:
         """Release every grant and drop every grace pin (shutdown: the planes close next, so
-        nothing can be served from the blocks any more)."""
+        nothing can be served from the blocks any more); waiting batch items are dropped."""
+        self._clear_waiting()
         cmds: list[Command] = []
         for key in list(self._grants):
             cmds += self._release(key, "released_peer_down", None)
@@ -312,146 +325,27 @@ class ProducerSession(ProducerState):
         return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint)]
 
     def _on_req(self, peer: Any, state: PeerState | None, msg: XferReq, now: float) -> list[Command]:
-        cfg = self.config
-
-        def nack(status: Status, detail: str) -> list[Command]:
-            self.nacks[status] = self.nacks.get(status, 0) + 1
-            self._emit(
-                "nack_sent",
-                {
-                    "peer": state.identity if state else str(peer),
-                    "session_id": msg.session_id,
-                    "mm_hash": msg.mm_hash[:12],
-                    "grant_id": -1,
-                },
-                status=status.name,
-                detail=detail,
-            )
-            ack = XferAck(
-                v=msg.v,
-                session_id=msg.session_id,
-                mm_hash=msg.mm_hash,
-                status=status,
-                grant=None,
-                detail=detail,
-            )
-            return [Send(peer, encode(ack))]
+        def ack(status: Status, detail: str) -> list[Command]:
+            self._count_nack(status, detail, state.identity if state else str(peer),
+                             msg.session_id, msg.mm_hash)
+            return [Send(peer, encode(XferAck(v=msg.v, session_id=msg.session_id,
+                                              mm_hash=msg.mm_hash, status=status, grant=None,
+                                              detail=detail)))]
 
         if state is None:
-            return nack(Status.NACK_BAD_REQUEST, "send Hello first")
+            return ack(Status.NACK_BAD_REQUEST, "send Hello first")
         if not msg.session_id:
-            return nack(Status.NACK_BAD_REQUEST, "empty session id")
+            return ack(Status.NACK_BAD_REQUEST, "empty session id")
         if msg.session_id != state.session_id:
-            return nack(Status.NACK_BAD_REQUEST, "session id is not this connection's session")
-        if msg.compat_hash != cfg.compat_hash:
-            return nack(Status.NACK_INCOMPAT, "compatibility hash mismatch")
-        live = self._live.get((msg.session_id, msg.mm_hash))
-        if live is not None:  # duplicate request: same grant, no second pin
-            return [Send(peer, self._grants[(msg.session_id, msg.mm_hash, live)].ack)]
-        entry = self.store.get(msg.mm_hash)
-        if entry is None:
-            return nack(Status.NACK_MISSING, "not in this producer's cache")
-        if not entry.ready:
-            return nack(Status.NACK_NOT_READY, "entry allocated, save not landed yet")
-        pinned_bytes = entry.num_blocks * self.store.block_bytes
-        if pinned_bytes > self.budget_bytes:  # terminal: waiting cannot help
-            return nack(
-                Status.NACK_BAD_REQUEST,
-                f"entry needs {pinned_bytes} bytes pinned, more than this consumer's whole pin "
-                f"budget of {self.budget_bytes} bytes: it can never be granted (raise the "
-                f"producer's budget_bytes)",
-            )
-        limit = self._max_bytes(state.plane)
-        if limit is not None and entry.nbytes > limit:  # terminal as well
-            return nack(
-                Status.NACK_BAD_REQUEST,
-                f"entry of {entry.nbytes} bytes exceeds the {state.plane} plane's largest "
-                f"transfer ({limit} bytes)",
-            )
-        used = self._pinned_by.get(state.identity, 0)
-        if used + pinned_bytes > self.budget_bytes:
-            return nack(
-                Status.NACK_BUSY, f"pin budget: {used}+{pinned_bytes} > {self.budget_bytes} bytes"
-            )
-        describe = self.describers.get(state.plane)
-        if describe is None:
-            return nack(Status.NACK_INTERNAL, f"plane {state.plane} not available")
-        entry = self.store.pin_if_ready(msg.mm_hash)
-        assert entry is not None
-        try:
-            plane_grant = describe(entry.runs, entry.nbytes)
-        except Exception as e:  # a plane bug must not leak a pin or kill the node
-            self.store.unpin(entry.mm_hash, entry.entry_id)
-            log.exception("plane %s failed to describe a grant", state.plane)
-            return nack(Status.NACK_INTERNAL, f"plane error: {type(e).__name__}")
-        if len(plane_grant) > MAX_GRANT_BYTES:  # the consumer could not decode it
-            self.store.unpin(entry.mm_hash, entry.entry_id)
-            log.error("plane %s described a grant of %d bytes (limit %d) for %d runs",
-                      state.plane, len(plane_grant), MAX_GRANT_BYTES, len(entry.runs))
-            return [Revoke(state.plane, plane_grant), *nack(
-                Status.NACK_INTERNAL,
-                f"grant of {len(plane_grant)} bytes for {len(entry.runs)} runs exceeds the wire "
-                f"limit of {MAX_GRANT_BYTES} bytes",
-            )]
-        gid = self._rng.getrandbits(63)
-        key = (msg.session_id, msg.mm_hash, gid)
-        grant = Grant(
-            grant_id=gid,
-            entry_bytes=entry.nbytes,
-            num_blocks=entry.num_blocks,
-            block_bytes=self.store.block_bytes,
-            lease_s=float(cfg.lease_s),
-            plane=state.plane,
-            plane_grant=plane_grant,
-        )
-        ack = encode(
-            XferAck(
-                v=msg.v,
-                session_id=msg.session_id,
-                mm_hash=msg.mm_hash,
-                status=Status.OK,
-                grant=grant,
-                detail="",
-            )
-        )
-        self._grants[key] = GrantRecord(
-            key,
-            peer,
-            state.identity,
-            entry.entry_id,
-            entry.runs,
-            entry.nbytes,
-            pinned_bytes,
-            now + cfg.lease_s,
-            ack,
-            state.plane,
-            plane_grant,
-            now,
-        )
-        self._live[key[:2]] = gid
-        state.grants.add(key)
-        state.by_gid[gid] = key
-        self._pinned_by[state.identity] = used + pinned_bytes
-        self.stats["grants"] += 1
-        fields = {
-            "peer": state.identity,
-            "session_id": msg.session_id,
-            "mm_hash": msg.mm_hash[:12],
-            "grant_id": gid,
-        }
-        log.debug(
-            "grant issued: %d bytes in %d runs over %s",
-            entry.nbytes,
-            len(entry.runs),
-            state.plane,
-            extra=fields,
-        )
-        self._emit(
-            "grant_issued",
-            fields,
-            nbytes=entry.nbytes,
-            plane=state.plane,
-            descriptors=len(entry.runs),
-        )
-        return [Send(peer, ack)]
-
+            return ack(Status.NACK_BAD_REQUEST, "session id is not this connection's session")
+        if msg.compat_hash != self.config.compat_hash:
+            return ack(Status.NACK_INCOMPAT, "compatibility hash mismatch")
+        a = self._answer(peer, state, msg.mm_hash, now)
+        if a.status is not Status.OK:
+            return [*a.cmds, *ack(a.status, a.detail)]
+        rec = a.record
+        assert rec is not None and rec.grant is not None  # OK without inline: a grant
+        if not rec.ack:  # a new grant, or one issued in an AckBatch: its XferAck, once
+            rec.ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
+                                     status=Status.OK, grant=rec.grant, detail=""))
+        return [Send(peer, rec.ack)]

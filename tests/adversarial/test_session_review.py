@@ -55,7 +55,7 @@ def test_grace_pins_do_not_let_one_consumer_pin_more_than_its_budget():
     p, pstore = make_producer(num_blocks=64, budget_bytes=16 * BLOCK, grace_s=5.0)
     for i in range(4):
         put(pstore, f"e{i}", 16)
-    c = make_consumer()
+    c = make_consumer(versions=(1,))  # the frames below are v1 frames
     pump(p, c, c.on_up(0.0), 0.0)
     for i in range(4):  # one consumer, well inside 5 s
         (ack,) = p.on_frame("peer1", encode(XferReq(v=1, session_id=c.session_id,
@@ -91,7 +91,7 @@ def test_one_renew_frame_costs_time_linear_in_its_ids_not_ids_times_grants():
     p, pstore = make_producer(num_blocks=4 * n, budget_bytes=4 * n * BLOCK)
     for i in range(n):
         put(pstore, f"e{i}", 1)
-    c = make_consumer()
+    c = make_consumer(versions=(1,))  # the frames below are v1 frames
     pump(p, c, c.on_up(0.0), 0.0)
     for i in range(n):
         p.on_frame("peer1", encode(XferReq(v=1, session_id=c.session_id, mm_hash=f"e{i}",

@@ -118,7 +118,8 @@ def test_every_cell_has_an_expectation_for_every_step():
                 assert st.expect is not None, (c.name, st)
     reduced = matrix.select(full=False)
     groups = {c.group for c in reduced}
-    want = {"planes", "versions", "curve", "compat", "sizes", "fan-out", "restart", "vllm"}
+    want = {"planes", "versions", "v1-v2", "curve", "compat", "sizes", "fan-out", "restart",
+            "vllm"}
     assert want <= groups
 
 
@@ -129,12 +130,34 @@ def test_disjoint_plane_sets_expect_a_typed_refusal():
     assert conn.plane == "tcp"  # the consumer's preference wins
 
 
-def test_vector_gate_passes_v1_and_fails_an_unvetted_v2():
+def test_vector_gate_passes_v1_and_fails_an_unvetted_future_version():
     assert 1 in vectors.available_versions()
     good = vectors.check([1])
     assert good["passed"] and good["vectors"] > 30
-    bad = vectors.check([1, 2])
-    assert not bad["passed"] and "no golden vectors for v2" in bad["detail"]
+    bad = vectors.check([1, matrix.FUTURE])
+    assert not bad["passed"] and f"no golden vectors for v{matrix.FUTURE}" in bad["detail"]
+
+
+def test_a_different_negotiated_version_is_a_deviation():
+    e = Expect(("ok",), "nixl", version=2)
+    assert deviation(e, Observed("ok", "nixl", bytes_ok=True, extra={"version": 2}), "netns") \
+        is None
+    assert "ECTP version 1, expected 2" in deviation(
+        e, Observed("ok", "nixl", bytes_ok=True, extra={"version": 1}), "netns")
+    assert "not reported" in deviation(e, Observed("ok", "nixl", bytes_ok=True), "netns")
+
+
+def test_v1_v2_cells_cover_both_directions_on_every_plane():
+    cells = [c for c in matrix.select(full=True) if c.group == "v1-v2"]
+    for plane in ("nixl", "ucx", "tcp", "shm"):
+        mine = [c for c in cells if c.producer.planes == (plane,)]
+        pairs = {(c.producer.versions, c.consumers[0].versions) for c in mine}
+        assert pairs == {((1,), None), (None, (1,)), (None, None)}, (plane, pairs)
+        for c in mine:
+            assert not c.producer.emulated and not c.consumers[0].emulated
+            v = 1 if (c.producer.versions or c.consumers[0].versions) else matrix.HIGHEST
+            assert [st.expect.version for st in c.steps if st.op != "fetch"] == [v, v], c.name
+            assert any(st.op == "fetch_many" for st in c.steps)
 
 
 def test_vector_gate_picks_up_a_new_version_directory(tmp_path):

@@ -74,6 +74,8 @@ class RawClient:
             mem_kinds=["DRAM"], localities=dict(localities or {}))))
         msg = self.recv()
         assert isinstance(msg, Welcome), f"expected Welcome, got {msg!r}"
+        if msg.status == 0:
+            self.version = msg.version  # from now on, frames carry the negotiated version
         return msg
 
     def req(self, mm_hash: str, compat_hash: str, *, v: int | None = None) -> XferAck:

@@ -15,7 +15,23 @@ Protocol with the test (JSON lines). First stdin line, the configuration::
 
     {"public": Z85, "secret": Z85, "plane": "nixl"|"tcp", "block_bytes": 512,
      "region_blocks": 1024, "nixl_agent": bool, "silent_listener": bool,
-     "honest_endpoints": {"nixl": hex, "tcp": hex}}
+     "honest_endpoints": {"nixl": hex, "tcp": hex}, "versions": [1] | [1, 2]}
+
+``versions`` (default ``[1]``): the ECTP versions the Welcome offers (the highest common one is
+chosen). On a v2 session requests come as ``ReqBatch`` and are answered with ``AckBatch`` frames:
+the items not held in one frame (in request order), each held one in a frame of its own on
+``release``; SPEC keys for v2 (besides the v1 ones, which apply per item): ``inline`` (answer OK
+with the entry's bytes, :func:`hostile_rows`, and no grant), ``inline_pad`` (that many extra
+bytes appended to the inline data), ``inline_and_grant`` (inline data *and* a valid grant),
+``stray_batch`` (that many answers for this item in AckBatch frames of batch ids never sent,
+before the answer), ``not_in_batch`` (that many items for mm_hashes the batch never named,
+added to its answer frame), ``dups_after`` (the answer frame sent that many more times: second
+answers). A held v2 item (``hold``) is named in one ``Parked`` frame of its batch (after the
+batch's answer frame, as a producer waiting for readiness does) unless ``no_park`` (then it is a
+silent, hung producer for that item); more ``Parked`` keys: ``park_twice`` (that Parked frame
+sent that many more times), ``park_stray`` (that many Parked frames naming 64 items, for batch
+ids never sent, and as many naming 64 items the batch never named, before the answer),
+``park_after`` (that many Parked frames naming the item after its answer).
 
 stdout then gets ``{"ready": true, "port", "public_key", "identity", "tcp_port", "silent_port"}``.
 Later stdin lines are commands, each answered by one ``{"reply": <cmd>, ...}`` line:
@@ -226,11 +242,14 @@ class Hostile:
 
         self.welcome_mode = "own"
         self.specs: dict[str, dict] = {}
-        self.held: list[tuple[bytes, object]] = []
+        self.held: list[tuple] = []  # (rid, XferReq) or (rid, ReqBatch, mm_hash)
         self.frames: collections.Counter[str] = collections.Counter()
         self.reqs: collections.Counter[str] = collections.Counter()
         self.dones: list[list] = []
         self.tokens: dict[str, bytes] = {}  # mm_hash -> token of its latest TCP grant
+        self.versions = [int(v) for v in cfg.get("versions", [1])]
+        self.version = 1  # negotiated with the latest Hello
+        self.batches: list[list] = []  # every ReqBatch: [batch_id, wait_s, inline_max, n items]
 
     # -- forgeries -------------------------------------------------------------------------------
     def endpoint_for(self, mode: str) -> bytes:
@@ -364,6 +383,66 @@ class Hostile:
         return XferAck(v=1, session_id=session_id, mm_hash=mm_hash, status=Status.OK,
                        grant=grant, detail="")
 
+    def ack_item(self, mm_hash: str, spec: dict, inline_max: int):
+        """v2: the AckItem for one item, as :meth:`ack` answers an XferReq (plus ``inline``)."""
+        from ectransport.protocol import AckItem, Status
+
+        if spec.get("inline") or spec.get("inline_and_grant"):
+            rows = int(spec.get("rows", 4))
+            data = hostile_rows(rows, self.bb, int(spec.get("seed", 0))).tobytes()
+            data += b"\x07" * int(spec.get("inline_pad", 0))
+            grant = self.ack("", mm_hash, spec).grant if spec.get("inline_and_grant") else None
+            return AckItem(mm_hash=mm_hash, status=Status.OK, grant=grant, data=data, detail="")
+        a = self.ack("", mm_hash, spec)
+        return AckItem(mm_hash=mm_hash, status=a.status, grant=a.grant, data=b"",
+                       detail=a.detail)
+
+    def on_batch(self, rid: bytes, msg) -> None:
+        """v2: answer a ReqBatch (see the module docstring)."""
+        from ectransport.protocol import AckBatch, AckItem, Parked, Status
+
+        def park(batch_id: int, names: list[str]) -> Parked:
+            return Parked(v=2, session_id=msg.session_id, batch_id=batch_id, items=names[:64],
+                          wait_s=msg.wait_s)
+
+        self.frames["reqs"] += 1
+        self.batches.append([msg.batch_id, msg.wait_s, msg.inline_max, len(msg.items)])
+        now_items, extra, dups = [], [], 0
+        parked, park_copies, after = [], 0, []
+        for it in msg.items:
+            self.reqs[it.mm_hash] += 1
+            spec = self.specs.get(it.mm_hash, {"status": "missing"})
+            for i in range(int(spec.get("park_stray", 0))):
+                self.send(rid, park(msg.batch_id + 2_000_000 + i,
+                                    [f"stray-{j}" for j in range(64)]))
+                self.send(rid, park(msg.batch_id, [f"unasked-{i}-{j}" for j in range(64)]))
+            after += [it.mm_hash] * int(spec.get("park_after", 0))
+            if spec.get("hold"):
+                self.held.append((rid, msg, it.mm_hash))
+                if not spec.get("no_park"):
+                    parked.append(it.mm_hash)
+                    park_copies = max(park_copies, int(spec.get("park_twice", 0)))
+                continue
+            for i in range(int(spec.get("stray_batch", 0))):
+                self.send(rid, AckBatch(v=2, session_id=msg.session_id,
+                                        batch_id=msg.batch_id + 1_000_000 + i,
+                                        items=[self.ack_item(it.mm_hash, spec, msg.inline_max)]))
+            for i in range(int(spec.get("not_in_batch", 0))):
+                extra.append(AckItem(mm_hash=f"unasked-{i}", status=Status.OK, grant=None,
+                                     data=b"\x01" * self.bb, detail=""))
+            dups = max(dups, int(spec.get("dups_after", 0)))
+            now_items.append(self.ack_item(it.mm_hash, spec, msg.inline_max))
+        items = (now_items + extra)[:64]
+        if items:
+            answer = AckBatch(v=2, session_id=msg.session_id, batch_id=msg.batch_id, items=items)
+            for _ in range(1 + dups):
+                self.send(rid, answer)
+        if parked:
+            for _ in range(1 + park_copies):
+                self.send(rid, park(msg.batch_id, parked))
+        for mm in after:
+            self.send(rid, park(msg.batch_id, [mm]))
+
     def on_frame(self, rid: bytes, data: bytes) -> None:
         from ectransport.protocol import (
             SUPPORTED_VERSIONS,
@@ -372,6 +451,7 @@ class Hostile:
             Hello,
             Nack,
             Renew,
+            ReqBatch,
             Status,
             Welcome,
             XferAck,
@@ -381,16 +461,20 @@ class Hostile:
         )
 
         try:
-            msg = decode(data, versions=SUPPORTED_VERSIONS)
+            msg = decode(data, versions=sorted({*SUPPORTED_VERSIONS, *self.versions}))
         except FrameError:
             self.frames["bad"] += 1
             return
         if isinstance(msg, Hello):
             self.frames["hello"] += 1
+            self.version = max(set(self.versions) & set(msg.versions), default=1)
             self.send(rid, Welcome(
-                v=1, session_id=msg.session_id, node_id="hostile", status=Status.OK, version=1,
-                plane=self.plane, versions=[1], planes=[self.plane], compat_hash=msg.compat_hash,
+                v=1, session_id=msg.session_id, node_id="hostile", status=Status.OK,
+                version=self.version, plane=self.plane, versions=self.versions,
+                planes=[self.plane], compat_hash=msg.compat_hash,
                 detail="", endpoint=self.endpoint_for(self.welcome_mode)))
+        elif isinstance(msg, ReqBatch):
+            self.on_batch(rid, msg)
         elif isinstance(msg, XferReq):
             self.frames["req"] += 1
             self.reqs[msg.mm_hash] += 1
@@ -437,10 +521,17 @@ class Hostile:
             self.specs.update(cmd["specs"])
             self.out({"reply": name})
         elif name == "release":
+            from ectransport.protocol import AckBatch
+
             held, self.held = self.held, []
-            for rid, req in held:
-                answer = self.ack(req.session_id, req.mm_hash,
-                                  {**self.specs[req.mm_hash], "hold": False})
+            for rid, req, *item in held:
+                if item:  # a v2 item: its own AckBatch frame of the batch that asked
+                    spec = {**self.specs[item[0]], "hold": False}
+                    answer = AckBatch(v=2, session_id=req.session_id, batch_id=req.batch_id,
+                                      items=[self.ack_item(item[0], spec, req.inline_max)])
+                else:
+                    answer = self.ack(req.session_id, req.mm_hash,
+                                      {**self.specs[req.mm_hash], "hold": False})
                 for _ in range(int(cmd.get("copies", 1))):
                     self.send(rid, answer)
             self.out({"reply": name, "released": len(held)})
@@ -448,7 +539,7 @@ class Hostile:
             self.out({"reply": name, "bytes": self.tcp.push_ahead(self.tokens[cmd["mm_hash"]])})
         elif name == "stats":
             self.out({"reply": name, "frames": dict(self.frames), "reqs": dict(self.reqs),
-                      "dones": self.dones,
+                      "dones": self.dones, "batches": self.batches, "version": self.version,
                       "tcp_conns": self.tcp.conns if self.tcp else 0,
                       "tcp_requests": self.tcp.requests if self.tcp else 0,
                       "silent_conns": len(self.silent.conns) if self.silent else 0})

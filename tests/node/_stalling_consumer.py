@@ -3,8 +3,9 @@ for the stale-grant tests of issue 13.
 
     python -m tests.node._stalling_consumer HOST PORT MM_HASH PLANE STOP_AT [SERVER_KEY]
 
-``STOP_AT`` is ``ack`` (an OK XferAck arrived; the node already read the clock for it, so the
-session is told the pre-stop time — the worst case) or ``posted`` (the data-plane transfer was
+``STOP_AT`` is ``ack`` (an OK answer with a grant arrived — an XferAck, or an AckBatch item on
+ECTP v2; the node already read the clock for it, so the session is told the pre-stop time — the
+worst case) or ``posted`` (the data-plane transfer was
 posted but not yet seen complete). The process prints ``{"stopped": ...}`` and stops itself; the
 test resumes it with SIGCONT. It then prints one JSON line with the outcome: ``ok``, ``sha256`` of
 the bytes (if fetched), ``reason`` and ``detail`` (if missed).
@@ -34,15 +35,15 @@ def main(argv: list[str]) -> int:
 
     stopped = []
     if stop_at == "ack":
-        orig_ack = ConsumerSession._on_ack
+        orig_answer = ConsumerSession._on_answer
 
-        def on_ack(self, msg, now):
-            if msg.status is Status.OK and not stopped:
+        def on_answer(self, f, status, g, detail, now, *args, **kw):
+            if status is Status.OK and g is not None and not stopped:
                 stopped.append(1)
                 _stop("ack")
-            return orig_ack(self, msg, now)  # ``now`` was read before the stop
+            return orig_answer(self, f, status, g, detail, now, *args, **kw)  # ``now``: pre-stop
 
-        ConsumerSession._on_ack = on_ack
+        ConsumerSession._on_answer = on_answer
     else:
         cls = load_plane(plane)
         orig_start = cls.start
@@ -62,8 +63,9 @@ def main(argv: list[str]) -> int:
         security = Security(public_key=pub.decode(), secret_key=sec.decode())
     else:
         security = Security(insecure=True)
+    # inline_max_bytes=0: the entry is granted and READ (ECTP v2 would send it inline)
     node = ConsumerNode(layout=Layout(hidden=256, dtype="bfloat16"), region_bytes=4 << 20,
-                        security=security, planes=(plane,))
+                        security=security, planes=(plane,), inline_max_bytes=0)
     try:
         out = node.fetch(ProducerAddress(host, int(port), server_key), mm_hash, timeout_s=30.0)
         if out.ok:

@@ -69,8 +69,10 @@ def consumer_driver():
     def make(net: MemoryNetwork, planes=("nixl",), clock=time.monotonic) -> ConsumerDriver:
         region = HostRegion(4 * ROWS, BB)
         loaded = load_planes(tuple(planes), node_id="driver-test", region=region, public_key=None)
+        # inline_max_bytes=0: these entries are granted and READ (ECTP v2 would send them
+        # inline); the inline path through a driver: tests/node/test_v2.py
         config = ConsumerConfig(node_id="driver-test", compat_hash=LAYOUT.compat_hash,
-                                planes=tuple(planes),
+                                planes=tuple(planes), inline_max_bytes=0,
                                 localities=tuple((n, p.locality()) for n, p in loaded.items()))
         d = ConsumerDriver(MemoryControlClient(net), loaded, region,
                            BlockStore(region.num_blocks, BB), LAYOUT, config, own_region=True,

@@ -148,9 +148,10 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
-def _spawn_hostile(tmp_dir: Path, plane: str, honest: ProducerNode) -> HostileProc:
+def _spawn_hostile(tmp_dir: Path, plane: str, honest: ProducerNode,
+                   versions: tuple[int, ...] = (1,)) -> HostileProc:
     kp = new_keypair()
-    stderr_path = tmp_dir / f"hostile-{plane}.stderr"
+    stderr_path = tmp_dir / f"hostile-{plane}-v{max(versions)}.stderr"
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "tests.node._hostile_producer"], cwd=ROOT,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
@@ -159,7 +160,7 @@ def _spawn_hostile(tmp_dir: Path, plane: str, honest: ProducerNode) -> HostilePr
     try:
         h.send({"public": kp.public, "secret": kp.secret, "plane": plane, "block_bytes": BB,
                 "region_blocks": 2048, "nixl_agent": plane == "nixl",
-                "silent_listener": plane == "tcp",
+                "silent_listener": plane == "tcp", "versions": list(versions),
                 "honest_endpoints": {n: honest.plane(n).endpoint().hex()
                                      for n in honest.session.config.planes}})
         h.info = h._line(START_TIMEOUT_S)
@@ -206,6 +207,16 @@ def hostile_nixl(tmp_path_factory, honest):
 @pytest.fixture(scope="module")
 def hostile_tcp(tmp_path_factory, honest):
     h = _spawn_hostile(tmp_path_factory.mktemp("hostile"), "tcp", honest)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module", params=PLANES)
+def hostile_v2(request, tmp_path_factory, honest):
+    """A hostile child per plane that speaks ECTP v2 (Welcome offers [1, 2])."""
+    h = _spawn_hostile(tmp_path_factory.mktemp("hostile"), request.param, honest, (1, 2))
     try:
         yield h
     finally:
@@ -597,3 +608,148 @@ def test_silent_listener_is_no_handshake_not_key_mismatch(honest, hostile_tcp, c
     assert_settled(c, honest)
 
 
+
+
+# -- 8. ECTP v2: batches, inline entries, readiness wait (issue 16) -------------------------------
+def _v2_consumer(consumer_for, h: HostileProc, **options) -> tuple[ConsumerNode, str]:
+    plane = "tcp" if h.info["tcp_port"] else "nixl"
+    h.resume()
+    h.welcome("own")
+    return consumer_for(plane, versions=(1, 2), **options), plane
+
+
+def test_v2_batch_of_grants_and_inline_entries_lands_byte_exact(honest, hostile_v2,
+                                                                 consumer_for):
+    """A v2 session (the child offers [1, 2]): eight granted entries and two inline ones asked
+    for with one fetch_many go out as one ReqBatch (wait_s > 0, inline_max = the consumer's),
+    land with exactly the producer's bytes, and only the granted ones are completed (XferDone
+    ok); no XferReq is sent."""
+    c, plane = _v2_consumer(consumer_for, hostile_v2, inline_max_bytes=16 * BB)
+    names = [f"{plane}-v2-g{i}" for i in range(8)] + [f"{plane}-v2-i{i}" for i in range(2)]
+    specs = {n: {"grant": "valid", "rows": 4 + i, "seed": 700 + i} for i, n in enumerate(names)}
+    for n in names[8:]:
+        specs[n]["inline"] = True
+    hostile_v2.acks(specs)
+    before = hostile_v2.stats()
+    outs = c.fetch_many(hostile_v2.address(), names, timeout_s=20.0)
+    for i, (n, out) in enumerate(zip(names, outs, strict=True)):
+        assert isinstance(out, Fetched), (n, out)
+        assert np.array_equal(out.data, hostile_rows(4 + i, BB, 700 + i)), n
+    del out, outs
+    sync(c, hostile_v2)
+    after = hostile_v2.stats()
+    assert after["version"] == 2
+    first = after["batches"][len(before["batches"])]
+    assert first[3] == 10 and first[1] > 0 and first[2] == 16 * BB, first
+    assert delta(before, after, "req") == 0
+    assert sorted(new_dones(before, after)) == sorted((n, True) for n in names[:8])
+    assert_honest_serves(c, honest)
+    assert_settled(c, honest)
+
+
+def test_v2_hostile_answers_are_ignored_or_missed_never_landed(honest, hostile_v2,
+                                                               consumer_for):
+    """Around a valid answer the child sends answers for batch ids never sent, items the batch
+    never named and the whole answer three times more; other entries come inline larger than
+    the batch accepted, not a whole number of rows, or inline *and* granted. The valid entry
+    lands with its bytes; each bad inline one is a typed miss (the grant next to inline data is
+    given back once); nothing is reflected (one XferDone per grant, no Nack); the honest
+    producer keeps serving and nothing leaks."""
+    c, plane = _v2_consumer(consumer_for, hostile_v2, inline_max_bytes=8 * BB)
+    ok_, big, ragged, both = (f"{plane}-v2h-{k}" for k in ("ok", "big", "ragged", "both"))
+    hostile_v2.acks({
+        ok_: {"grant": "valid", "rows": 4, "seed": 801, "stray_batch": 5, "not_in_batch": 5,
+              "dups_after": 3},
+        big: {"inline": True, "rows": 9, "seed": 802},
+        ragged: {"inline": True, "rows": 2, "seed": 803, "inline_pad": 1},
+        both: {"inline_and_grant": True, "rows": 2, "seed": 804},
+    })
+    before = hostile_v2.stats()
+    out = c.fetch(hostile_v2.address(), ok_, timeout_s=10.0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, hostile_rows(4, BB, 801)), out
+    del out
+    for name, why in ((big, "more than"), (ragged, "whole number"), (both, "both")):
+        out = c.fetch(hostile_v2.address(), name, timeout_s=10.0)
+        assert isinstance(out, Miss) and out.reason is MissReason.INTERNAL, (name, out)
+        assert why in out.detail, (name, out.detail)
+    sync(c, hostile_v2)
+    after = hostile_v2.stats()
+    assert [d for d in new_dones(before, after) if not d[0].startswith("sync-")] == \
+        [(ok_, True), (both, False)]
+    assert delta(before, after, "nack") == 0 and delta(before, after, "bad") == 0, after
+    s = c.session(hostile_v2.address())
+    assert s is not None and s.ignored["unknown_batch"] >= 5 and s.ignored["not_in_batch"] >= 5
+    assert s.ignored["second_answer"] >= 3 and s.ignored["bad_inline"] == 3
+    assert_honest_serves(c, honest)
+    assert_settled(c, honest)
+
+
+def test_v2_an_entry_not_ready_is_answered_when_ready_without_polling(honest, hostile_v2,
+                                                                      consumer_for):
+    """The child parks an item (as a producer waiting for readiness does) and answers it ~1 s
+    later in a second AckBatch frame of the same batch: the fetch lands with its bytes, asked
+    for exactly once (a v1 consumer would have polled NOT_READY ~10 times meanwhile)."""
+    c, plane = _v2_consumer(consumer_for, hostile_v2)
+    parked, now_ = f"{plane}-v2-parked", f"{plane}-v2-now"
+    hostile_v2.acks({parked: {"grant": "valid", "rows": 4, "seed": 901, "hold": True},
+                     now_: {"grant": "valid", "rows": 4, "seed": 902}})
+    futs = c.submit_many(hostile_v2.address(), [parked, now_], timeout_s=20.0)
+    got = futs[1].result(timeout=20.0)
+    assert isinstance(got, Fetched) and np.array_equal(got.data, hostile_rows(4, BB, 902))
+    del got
+    time.sleep(1.0)  # a measurement window: the parked fetch waits, nothing is re-sent
+    assert not futs[0].done()
+    assert hostile_v2.command({"cmd": "release"})["released"] == 1
+    out = futs[0].result(timeout=20.0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, hostile_rows(4, BB, 901)), out
+    del out, futs
+    assert hostile_v2.stats()["reqs"][parked] == 1
+    assert_settled(c, honest)
+
+
+def test_v2_parked_frames_strays_are_ignored_and_silence_is_a_fast_miss(honest, hostile_v2,
+                                                                        consumer_for):
+    """``Parked`` against a hostile producer. Around a valid answer the child floods Parked
+    frames naming 64 items each for batch ids never sent and for items the batch never named,
+    and parks the answered item afterwards: all ignored and counted, the entry lands. A held
+    item named parked (three more times: second Parked frames) outlives twice the ack timeout
+    and lands when released. An item neither answered nor parked — a hung producer — misses
+    TIMEOUT after the ack timeout (1 s), not at its 30 s fetch deadline. Nothing is reflected
+    (no Nack, one XferDone per grant used) and the honest producer keeps serving."""
+    c, plane = _v2_consumer(consumer_for, hostile_v2, ack_timeout_s=1.0,
+                            session_options={"peer_backoff_s": 0.05})
+    ok_, held, silent = (f"{plane}-v2p-{k}" for k in ("ok", "held", "silent"))
+    hostile_v2.acks({
+        ok_: {"grant": "valid", "rows": 4, "seed": 1001, "park_stray": 20, "park_after": 3},
+        held: {"grant": "valid", "rows": 4, "seed": 1002, "hold": True, "park_twice": 3},
+        silent: {"status": "missing", "hold": True, "no_park": True},
+    })
+    before = hostile_v2.stats()
+    out = c.fetch(hostile_v2.address(), ok_, timeout_s=10.0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, hostile_rows(4, BB, 1001)), out
+    del out
+    fut = c.submit(hostile_v2.address(), held, timeout_s=20.0)
+    time.sleep(2.0)  # a measurement window: twice the ack timeout, the parked fetch still waits
+    assert not fut.done()
+    assert hostile_v2.command({"cmd": "release"})["released"] == 1
+    out = fut.result(timeout=20.0)
+    assert isinstance(out, Fetched) and np.array_equal(out.data, hostile_rows(4, BB, 1002)), out
+    del out, fut
+    t0 = time.monotonic()
+    out = c.fetch(hostile_v2.address(), silent, timeout_s=30.0)
+    took = time.monotonic() - t0
+    assert isinstance(out, Miss) and out.reason is MissReason.TIMEOUT, out
+    assert took < 10.0, f"a silent item missed after {took:.1f} s, not the ack timeout"
+    assert hostile_v2.command({"cmd": "release"})["released"] == 1  # late: ignored
+    sync(c, hostile_v2)
+    after = hostile_v2.stats()
+    assert delta(before, after, "nack") == 0 and delta(before, after, "bad") == 0, after
+    assert [d for d in new_dones(before, after) if not d[0].startswith("sync-")] == \
+        [(ok_, True), (held, True)]
+    s = c.session(hostile_v2.address())
+    assert s is not None
+    assert s.ignored["parked_unknown_batch"] >= 20 * 64, s.ignored
+    assert s.ignored["parked_not_in_batch"] >= 20 * 64, s.ignored
+    assert s.ignored["parked_answered"] >= 3 and s.ignored["parked_twice"] >= 3, s.ignored
+    assert_honest_serves(c, honest)
+    assert_settled(c, honest)

@@ -28,7 +28,8 @@ GRACE_S = 0.5
 
 def _producer(closing, lease_s: float) -> ProducerNode:
     p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=lease_s,
-                             grace_s=GRACE_S, security=Security(insecure=True)))
+                             grace_s=GRACE_S, security=Security(insecure=True),
+                             inline_max_bytes=0))  # leases: every fetch takes a grant
     assert p.put(MM, DATA)
     return p.start()
 
@@ -37,7 +38,7 @@ def _producer(closing, lease_s: float) -> ProducerNode:
 def raw_for(closing):
     def make(p: ProducerNode) -> RawClient:
         c = closing(RawClient("127.0.0.1", p.port))
-        w = c.hello(LAYOUT.compat_hash)
+        w = c.hello(LAYOUT.compat_hash, versions=(1,))  # these tests speak v1's frames
         assert w.status is Status.OK and w.version == 1 and w.plane == "nixl", w
         return c
 
@@ -147,7 +148,7 @@ def test_garbage_frames_get_nacks_and_node_stays_healthy(closing, raw_for):
     assert ack.status is Status.NACK_BAD_REQUEST and ack.grant is None and "Hello" in ack.detail
 
     # after Hello: a request at an un-negotiated version, a malformed request body
-    w = raw.hello(LAYOUT.compat_hash)
+    w = raw.hello(LAYOUT.compat_hash, versions=(1,))  # the frames below are v1's
     assert w.status is Status.OK
     ack = raw.req(MM, LAYOUT.compat_hash, v=7)
     assert ack.status is Status.NACK_VERSION and ack.grant is None, ack

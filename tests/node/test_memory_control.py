@@ -31,6 +31,7 @@ def _rows(seed: int) -> np.ndarray:
 
 def _pair(closing, plane: str, **producer_kw):
     net = MemoryNetwork()
+    producer_kw.setdefault("inline_max_bytes", 0)  # grants and leases: never inline (ECTP v2)
     p = closing(ProducerNode(layout=LAYOUT, region_bytes=ROWS * LAYOUT.block_bytes,
                              planes=(plane,), security=Security(insecure=True),
                              budget_bytes=ROWS * LAYOUT.block_bytes,

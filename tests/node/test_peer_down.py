@@ -63,7 +63,9 @@ def _assert_released_by_peer_down(p: ProducerNode) -> None:
 
 
 def _assert_serves(p: ProducerNode, closing, security: Security) -> None:
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=security))
+    # inline_max_bytes=0: granted and completed, never inline (ECTP v2) — the counters below
+    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=security,
+                             inline_max_bytes=0))
     held_back = p.stats()["pinned_bytes"]  # the departed consumer's grace pin, if any
     out = c.fetch(ProducerAddress("127.0.0.1", p.port, p.public_key), MM, timeout_s=10.0)
     assert isinstance(out, Fetched), out

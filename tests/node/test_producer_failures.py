@@ -108,15 +108,22 @@ def _served_again(consumer, addr, timeout_s: float, allowed: tuple[MissReason, .
     return outs[-1]
 
 
-def test_stopped_producer_misses_fast_then_recovers(tmp_path, closing):
+@pytest.mark.parametrize("versions", [(1, 2), (1,)], ids=["v2", "v1"])
+def test_stopped_producer_misses_fast_then_recovers(tmp_path, closing, versions):
     # a first quarantine long enough that the fetch right after the miss still finds it on a
-    # busy machine
-    consumer = closing(_consumer(session_options={"peer_backoff_s": 5.0}))
+    # busy machine. The ack deadline (1 s) detects the stopped producer, well before the control
+    # heartbeat (PEER_DOWN) or the fetch deadline: on v1 the XferReq gets no XferAck; on v2
+    # (the default) the ReqBatch item is neither answered nor named in a Parked frame — a
+    # producer that parks an item says so at once, so the consumer's long answer deadline
+    # (wait + ack timeout) applies only to items a live producer parked (ECTP v2 §6).
+    consumer = closing(_consumer(session_options={"peer_backoff_s": 5.0}, versions=versions))
     blamed = _blames(consumer)
     proc, info = _spawn(tmp_path)
     try:
         addr = ProducerAddress("127.0.0.1", info["port"])
         assert consumer.fetch(addr, "x", timeout_s=10).ok  # warm: connected and welcomed
+        session = consumer.session(addr)
+        assert session is not None and session.version == max(versions)
         _freeze(proc.pid)
         miss = consumer.fetch(addr, "x", timeout_s=60)
         assert not miss.ok and miss.reason is MissReason.TIMEOUT, miss

@@ -39,7 +39,7 @@ def keys():
 def producer(keys, closing):
     allowed = {keys["consumer"].public}
     p = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=1 << 20, lease_s=30.0,
+        layout=LAYOUT, region_bytes=1 << 20, lease_s=30.0, versions=(1,),  # a v1-only node
         security=Security(public_key=keys["producer"].public, secret_key=keys["producer"].secret,
                           allow=lambda k: k in allowed)))
     assert p.put(MM, DATA)
@@ -204,10 +204,12 @@ DATA2 = np.random.default_rng(8).integers(0, 256, (ROWS, LAYOUT.block_bytes), dt
 
 @pytest.fixture
 def budget_producer(keys, closing):
-    """A producer whose per-consumer budget is exactly one entry."""
+    """A producer whose per-consumer budget is exactly one entry (never inline: an inline answer
+    pins nothing and is not charged to the budget)."""
     allowed = {keys["consumer"].public}
     p = closing(ProducerNode(
         layout=LAYOUT, region_bytes=1 << 20, lease_s=30.0, budget_bytes=ROWS * LAYOUT.block_bytes,
+        inline_max_bytes=0,
         security=Security(public_key=keys["producer"].public, secret_key=keys["producer"].secret,
                           allow=lambda k: k in allowed)))
     assert p.put(MM, DATA) and p.put(MM2, DATA2)

@@ -11,12 +11,21 @@ from hypothesis import strategies as st
 
 from ectransport.protocol import (
     KINDS,
+    MAX_BATCH_ITEMS,
     MAX_FRAME_BYTES,
+    MAX_INLINE_BYTES,
+    MAX_WAIT_S,
+    SINCE,
+    AckBatch,
+    AckItem,
     FrameError,
     Grant,
     Hello,
     Nack,
+    Parked,
     Renew,
+    ReqBatch,
+    ReqItem,
     Status,
     Welcome,
     XferAck,
@@ -25,8 +34,9 @@ from ectransport.protocol import (
     decode,
     encode,
 )
-from ectransport.protocol.codec import peek_ids
+from ectransport.protocol.codec import peek_batch, peek_ids
 from ectransport.protocol.messages import (
+    MAX_DEST_BYTES,
     MAX_DETAIL_LEN,
     MAX_GRANT_BYTES,
     MAX_HASH_LEN,
@@ -50,8 +60,22 @@ SAMPLES: dict[str, Any] = {
     "done": XferDone(v=1, session_id=SID, mm_hash=MM, grant_id=5, ok=True),
     "renew": Renew(v=1, session_id=SID, grant_ids=[5], extend_s=10.0),
     "nack": Nack(v=1, status=Status.NACK_BAD_REQUEST, detail="x"),
+    "reqs": ReqBatch(v=2, session_id=SID, batch_id=3, compat_hash="h", wait_s=1.5,
+                     inline_max=65536, items=[ReqItem(mm_hash=MM, dest=b""),
+                                              ReqItem(mm_hash="cd" * 32, dest=b"\x01")]),
+    "acks": AckBatch(v=2, session_id=SID, batch_id=3, items=[
+        AckItem(mm_hash=MM, status=Status.OK, grant=None, data=b"\x00\x01\x02", detail=""),
+        AckItem(mm_hash="cd" * 32, status=Status.OK,
+                grant=Grant(grant_id=6, entry_bytes=10, num_blocks=1, block_bytes=16,
+                            lease_s=30.0, plane="nixl", plane_grant=b"\x03"), data=b"",
+                detail=""),
+        AckItem(mm_hash="ef" * 32, status=Status.NACK_MISSING, grant=None, data=b"",
+                detail="not in this producer's cache")]),
+    "park": Parked(v=2, session_id=SID, batch_id=3, items=[MM, "cd" * 32], wait_s=5.0),
 }
 ANY_VERSION = {"hello", "welcome"}
+#: the version each sample is written at (the v2 kinds exist since v2)
+NATIVE = {tag: msg.v for tag, msg in SAMPLES.items()}
 
 
 def _edit(msg: Any, **changes: Any) -> bytes:
@@ -69,13 +93,14 @@ def test_samples_cover_every_kind() -> None:
     assert set(SAMPLES) == set(KINDS)
     for tag, msg in SAMPLES.items():
         assert type(msg) is KINDS[tag]
-        assert decode(encode(msg), versions=[1]) == msg
+        assert decode(encode(msg), versions=[msg.v]) == msg
+        assert msg.v == SINCE.get(tag, 1)
 
 
 @pytest.mark.parametrize("tag", sorted(KINDS))
 def test_version_field_is_required(tag: str) -> None:
     raw = msgspec.msgpack.decode(encode(SAMPLES[tag]))
-    assert raw["v"] == 1  # always written, never omitted
+    assert raw["v"] == NATIVE[tag]  # always written, never omitted
     data = _edit(SAMPLES[tag], v=None)
     assert "v" not in msgspec.msgpack.decode(data)
     with pytest.raises(FrameError) as ei:
@@ -87,22 +112,130 @@ def test_version_field_is_required(tag: str) -> None:
 @pytest.mark.parametrize("tag", sorted(set(KINDS) - ANY_VERSION))
 @pytest.mark.parametrize("version", [0, 2, 7, 65535, 1 << 20])
 def test_other_version_is_nack_version(tag: str, version: int) -> None:
+    native = NATIVE[tag]
+    acceptable = [native] if version != native else [1]  # any version but the frame's
     with pytest.raises(FrameError) as ei:
-        decode(_edit(SAMPLES[tag], v=version), versions=[1])
+        decode(_edit(SAMPLES[tag], v=version), versions=acceptable)
     assert ei.value.status is Status.NACK_VERSION
     assert ei.value.kind == tag
 
 
 @pytest.mark.parametrize("tag", sorted(KINDS))
 def test_negotiated_version_is_enforced_per_session(tag: str) -> None:
-    """A node speaking [1, 2] that negotiated 2 passes versions=[2]: v=1 frames are refused."""
+    """A node speaking [1, 2] passes the negotiated version only: on a v2 session v=1 frames
+    are refused, on a v1 session v=2 frames."""
     if tag in ANY_VERSION:
         assert decode(encode(SAMPLES[tag]), versions=[2]) == SAMPLES[tag]
+        return
+    other = 2 if NATIVE[tag] == 1 else 1
+    with pytest.raises(FrameError) as ei:
+        decode(encode(SAMPLES[tag]), versions=[other])
+    assert ei.value.status is Status.NACK_VERSION
+    assert decode(_edit(SAMPLES[tag], v=2), versions=[1, 2]).v == 2
+
+
+@pytest.mark.parametrize("tag", sorted(SINCE))
+@pytest.mark.parametrize("version", [0, 1])
+def test_v2_kinds_are_refused_below_their_version_even_where_that_version_is_acceptable(
+        tag: str, version: int) -> None:
+    """``SINCE``: a v1 session never sees a batch frame, whatever ``v`` it claims."""
+    assert SINCE[tag] == 2
+    for acceptable in ([version], [0, 1, 2]):
+        with pytest.raises(FrameError) as ei:
+            decode(_edit(SAMPLES[tag], v=version), versions=acceptable)
+        assert ei.value.status is Status.NACK_VERSION and ei.value.kind == tag
+        assert "since version 2" in ei.value.detail
+    assert decode(_edit(SAMPLES[tag], v=3), versions=[3]).v == 3  # and in later versions
+
+
+def _reqs(**changes: Any) -> bytes:
+    return _edit(SAMPLES["reqs"], **changes)
+
+
+@pytest.mark.parametrize(("changes", "ok"), [
+    ({"items": []}, False),
+    ({"items": [{"mm_hash": str(i), "dest": b""} for i in range(MAX_BATCH_ITEMS)]}, True),
+    ({"items": [{"mm_hash": str(i), "dest": b""} for i in range(MAX_BATCH_ITEMS + 1)]}, False),
+    ({"items": [{"mm_hash": "a", "dest": b"\0" * MAX_DEST_BYTES}]}, True),
+    ({"items": [{"mm_hash": "a", "dest": b"\0" * (MAX_DEST_BYTES + 1)}]}, False),
+    ({"items": [{"mm_hash": "a" * (MAX_HASH_LEN + 1), "dest": b""}]}, False),
+    ({"items": [{"mm_hash": "a"}]}, False),
+    ({"wait_s": 0.0}, True), ({"wait_s": 0}, True), ({"wait_s": MAX_WAIT_S}, True),
+    ({"wait_s": MAX_WAIT_S + 0.001}, False), ({"wait_s": -0.001}, False),
+    ({"wait_s": float("nan")}, False), ({"wait_s": float("inf")}, False),
+    ({"inline_max": 0}, True), ({"inline_max": MAX_INLINE_BYTES}, True),
+    ({"inline_max": MAX_INLINE_BYTES + 1}, False), ({"inline_max": -1}, False),
+    ({"batch_id": 0}, True), ({"batch_id": (1 << 63) - 1}, True), ({"batch_id": 1 << 63}, False),
+    ({"batch_id": -1}, False), ({"batch_id": True}, False), ({"compat_hash": None}, False),
+])
+def test_reqbatch_bounds(changes: dict[str, Any], ok: bool) -> None:
+    data = _reqs(**changes)
+    if ok:
+        assert isinstance(decode(data, versions=[2]), ReqBatch)
+        return
+    with pytest.raises(FrameError) as ei:
+        decode(data, versions=[2])
+    assert ei.value.status is Status.NACK_BAD_REQUEST and ei.value.kind == "reqs"
+
+
+@pytest.mark.parametrize(("changes", "ok"), [
+    ({"items": []}, False),
+    ({"items": [str(i) for i in range(MAX_BATCH_ITEMS)]}, True),
+    ({"items": [str(i) for i in range(MAX_BATCH_ITEMS + 1)]}, False),
+    ({"items": ["a" * MAX_HASH_LEN]}, True), ({"items": ["a" * (MAX_HASH_LEN + 1)]}, False),
+    ({"items": [{"mm_hash": "a"}]}, False), ({"items": None}, False),
+    ({"wait_s": 0.0}, True), ({"wait_s": 2}, True), ({"wait_s": MAX_WAIT_S}, True),
+    ({"wait_s": MAX_WAIT_S + 0.001}, False), ({"wait_s": -0.001}, False),
+    ({"wait_s": float("nan")}, False), ({"wait_s": float("inf")}, False),
+    ({"wait_s": None}, False),
+    ({"batch_id": (1 << 63) - 1}, True), ({"batch_id": 1 << 63}, False), ({"batch_id": -1}, False),
+    ({"session_id": "s" * (MAX_ID_LEN + 1)}, False),
+])
+def test_parked_bounds(changes: dict[str, Any], ok: bool) -> None:
+    """``Parked`` (v2): 1..64 mm_hashes, ``wait_s`` bounded as ``ReqBatch.wait_s``."""
+    data = _edit(SAMPLES["park"], **changes)
+    if ok:
+        assert isinstance(decode(data, versions=[2]), Parked)
+        return
+    with pytest.raises(FrameError) as ei:
+        decode(data, versions=[2])
+    assert ei.value.status is Status.NACK_BAD_REQUEST and ei.value.kind == "park"
+
+
+@pytest.mark.parametrize(("item", "ok"), [
+    ({"data": b"\0" * MAX_INLINE_BYTES}, True),
+    ({"data": b"\0" * (MAX_INLINE_BYTES + 1)}, False),
+    ({"status": 8}, False),
+    ({"grant": "x"}, False),
+    ({"detail": "d" * (MAX_DETAIL_LEN + 1)}, False),
+    ({}, True),
+])
+def test_ackbatch_bounds(item: dict[str, Any], ok: bool) -> None:
+    raw = msgspec.msgpack.decode(encode(SAMPLES["acks"]))
+    raw["items"][0].update(item)
+    data = msgspec.msgpack.encode(raw)
+    if ok:
+        assert isinstance(decode(data, versions=[2]), AckBatch)
     else:
         with pytest.raises(FrameError) as ei:
-            decode(encode(SAMPLES[tag]), versions=[2])
-        assert ei.value.status is Status.NACK_VERSION
-        assert decode(_edit(SAMPLES[tag], v=2), versions=[1, 2]).v == 2
+            decode(data, versions=[2])
+        assert ei.value.status is Status.NACK_BAD_REQUEST and ei.value.kind == "acks"
+    for n in (0, MAX_BATCH_ITEMS + 1):
+        raw["items"] = raw["items"][:1] * n
+        with pytest.raises(FrameError):
+            decode(msgspec.msgpack.encode(raw), versions=[2])
+
+
+def test_peek_batch() -> None:
+    assert peek_batch(encode(SAMPLES["reqs"])) == (SID, 3, [MM, "cd" * 32])
+    # what a NACK can still name in a batch that fails validation
+    assert peek_batch(_reqs(wait_s=99.0, v=1)) == (SID, 3, [MM, "cd" * 32])
+    dup = _reqs(items=[{"mm_hash": "x" * 300}, {"mm_hash": "x" * 300}, {"mm_hash": "y"}])
+    assert peek_batch(dup) == (SID, 3, ["x" * MAX_HASH_LEN, "y"])
+    for junk in (_reqs(batch_id=-1), _reqs(batch_id="1"), _reqs(items=[]), _reqs(items="a"),
+                 _reqs(items=[1, 2]), _reqs(items=[{"mm_hash": str(i)} for i in range(65)]),
+                 encode(SAMPLES["req"]), b"", b"\xc1", encode(SAMPLES["reqs"])[:-3]):
+        assert peek_batch(junk) is None
 
 
 @pytest.mark.parametrize("tag", sorted(ANY_VERSION))
@@ -210,6 +343,18 @@ messages = st.one_of(
     st.builds(Renew, v=versions_, session_id=_text(MAX_ID_LEN),
               grant_ids=st.lists(grant_ids, max_size=64), extend_s=floats),
     st.builds(Nack, v=versions_, status=statuses, detail=_text(MAX_DETAIL_LEN)),
+    st.builds(ReqBatch, v=st.integers(2, (1 << 16) - 1), session_id=_text(MAX_ID_LEN),
+              batch_id=grant_ids, compat_hash=_text(128),
+              wait_s=st.floats(0.0, MAX_WAIT_S), inline_max=st.integers(0, MAX_INLINE_BYTES),
+              items=st.lists(st.builds(ReqItem, mm_hash=_text(MAX_HASH_LEN),
+                                       dest=st.binary(max_size=64)),
+                             min_size=1, max_size=MAX_BATCH_ITEMS)),
+    st.builds(AckBatch, v=st.integers(2, (1 << 16) - 1), session_id=_text(MAX_ID_LEN),
+              batch_id=grant_ids,
+              items=st.lists(st.builds(AckItem, mm_hash=_text(MAX_HASH_LEN), status=statuses,
+                                       grant=st.none() | grants, data=st.binary(max_size=256),
+                                       detail=_text(64)),
+                             min_size=1, max_size=8)),
 )
 
 
@@ -253,7 +398,8 @@ msgpack_values = st.recursive(
 @settings(max_examples=500)
 @given(st.sampled_from(sorted(KINDS)), st.integers(-1, 3),
        st.dictionaries(st.sampled_from(["session_id", "mm_hash", "status", "grant", "grant_ids",
-                                        "versions", "planes", "dest", "ok", "detail", "x"]),
+                                        "versions", "planes", "dest", "ok", "detail", "x",
+                                        "batch_id", "wait_s", "inline_max", "items", "data"]),
                        msgpack_values, max_size=6))
 def test_random_maps_only_raise_frame_error(tag: str, v: int, fields: dict[str, Any]) -> None:
     _check_decode_only_frame_errors(msgspec.msgpack.encode({"k": tag, "v": v, **fields}))

@@ -1,4 +1,8 @@
-"""ConsumerSession: fetch lifecycle, deadlines, quarantine, NACK mapping (fake clock)."""
+"""ConsumerSession: fetch lifecycle, deadlines, quarantine, NACK mapping (fake clock).
+
+These are the ECTP v1 exchange's tests (XferReq/XferAck): the consumers here are configured
+``versions=(1,)``, which a v1-and-v2 producer serves at v1. The v2 exchange (ReqBatch/AckBatch)
+is tested in ``test_consumer_v2.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +22,14 @@ from ectransport.protocol import (
 )
 from ectransport.session import FetchState, Landed, Miss, MissReason, PostRead, Release, Report
 
-from .helpers import BLOCK, bound, make_consumer, make_producer, msgs, pump, put
+from .helpers import BLOCK, bound, make_producer, msgs, pump, put
+from .helpers import make_consumer as _make_consumer
+
+
+def make_consumer(*args, **kw):
+    """A consumer of the v1 exchange (see the module docstring)."""
+    kw.setdefault("versions", (1,))
+    return _make_consumer(*args, **kw)
 
 
 def reports(cmds):
@@ -116,7 +127,7 @@ def test_incompatible_producer_fails_whole_session():
 
 
 def test_version_mismatch_is_a_typed_miss():
-    p, _ = make_producer()
+    p, _ = make_producer(versions=(1,))
     c = make_consumer(versions=(2,))
     c.fetch("a", 0.0, 10.0)
     (m,) = reports(pump(p, c, c.on_up(0.0), 0.0))

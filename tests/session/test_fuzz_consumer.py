@@ -37,12 +37,22 @@ replaced by fresh ones on the same store. Checked throughout:
 and at the end of each epoch: nothing is in flight, every handle was released, the store is empty
 and all its blocks are free.
 
+The test runs twice: on ECTP v1 sessions, and on v2 sessions (issue 16: the Welcome offers
+[1, 2]; requests are ``ReqBatch`` frames, answers ``AckBatch`` frames answering some items of a
+real or invented batch — subsets, items never asked, second answers, another session's — with
+grants, NACKs and *inline* entries of good, oversized and ragged sizes, inline data next to a
+grant — and ``Parked`` frames naming some items of a real or invented batch, items never asked,
+twice, or already answered, with any wait). On v2, additionally: every ``Land`` is followed by the ``Report(Landed)`` of its entry,
+whose bytes it copies; an inline landing has no grant, at most the batch's ``inline_max`` bytes,
+a whole number of rows; nothing else lands without a grant.
+
 ``ECT_FUZZ_FRAMES`` (frames fed to ``on_frame``) and ``ECT_FUZZ_SEED`` work as in the producer
 fuzz test; see docs/security.md, "Fuzzing the sessions".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -51,12 +61,24 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ectransport.protocol import FrameError, Hello, Renew, XferAck, XferDone, XferReq, decode
+from ectransport.protocol import (
+    AckBatch,
+    FrameError,
+    Hello,
+    Parked,
+    Renew,
+    ReqBatch,
+    XferAck,
+    XferDone,
+    XferReq,
+    decode,
+)
 from ectransport.session import (  # noqa: E402 - binding (issue 17)
     Bind,
     ConsumerConfig,
     ConsumerSession,
     IllegalTransition,
+    Land,
     Landed,
     Link,
     Miss,
@@ -74,11 +96,14 @@ NUM_BLOCKS = 48
 CONNS = ("c1", "c2")  # two producer connections, one shared landing store (as in the node)
 MM = ("a", "b", "c", "d", "e", "f", "g")  # what the caller fetches
 ODD_MM = ("", "x" * 300, "a#1", "zz", "\u00e9\u0000")  # malformed or never granted
-CONFIG = ConsumerConfig(
-    node_id="c", compat_hash=COMPAT, ack_timeout_s=1.0, read_timeout_s=3.0, quarantine_s=6.0,
+CONFIG = ConsumerConfig(  # the v1 exchange (versions=(1,)); CONFIG_V2: the v2 one
+    node_id="c", compat_hash=COMPAT, versions=(1,), ack_timeout_s=1.0, read_timeout_s=3.0, quarantine_s=6.0,
     hello_timeout_s=2.0, retry_backoff_s=0.05, retry_backoff_max_s=0.4, peer_backoff_s=0.2,
     peer_backoff_max_s=1.0,
 )
+#: The same on v2 sessions; entries up to 4 rows come inline.
+CONFIG_V2 = dataclasses.replace(CONFIG, versions=(1, 2), inline_max_bytes=4 * BLOCK)
+INLINE_SIZES = (0, BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK, BLOCK + 1, 7)
 NAN, INF = float("nan"), float("inf")
 LEASES = (5.0, 0.5, 30.0, 0.0, -1.0, -1e308, 1e-300, 1e308, NAN, INF, -INF)
 ENTRY_BYTES = (0, 1, BLOCK, 5 * BLOCK + 3, NUM_BLOCKS * BLOCK, (NUM_BLOCKS + 1) * BLOCK,
@@ -90,12 +115,14 @@ pytestmark = pytest.mark.usefixtures("quiet_session_logs")
 
 
 # -- frames from the producer ------------------------------------------------------------------
-def welcome(rng: random.Random, sid: str) -> dict:
+def welcome(rng: random.Random, sid: str, v2: bool = False) -> dict:
     ok = rng.random() < 0.95
+    version = 2 if v2 else 1
     return {"k": "welcome", "v": 1, "session_id": sid, "node_id": "p",
             "status": 0 if ok else rng.randrange(1, 8),
-            "version": 1 if rng.random() < 0.98 else rng.choice((0, 2, 65535)),
-            "plane": "nixl" if rng.random() < 0.98 else "tcp", "versions": [1], "planes": ["nixl"],
+            "version": version if rng.random() < 0.98 else rng.choice((0, 1, 2, 3, 65535)),
+            "plane": "nixl" if rng.random() < 0.98 else "tcp",
+            "versions": [1, 2] if v2 else [1], "planes": ["nixl"],
             "compat_hash": COMPAT, "detail": "" if ok else "no",
             **({"endpoint": rng.randbytes(rng.randrange(0, 24))} if rng.random() < 0.5 else {})}
 
@@ -132,18 +159,75 @@ def ack(rng: random.Random, sid: str, mm_hash: str, good: bool = False) -> dict:
             "grant": grant(rng, good) if with_grant else None, "detail": ""}
 
 
+def ack_item(rng: random.Random, mm_hash: str, good: bool = False) -> dict:
+    """v2: one AckBatch item: as :func:`ack`, or now and then an inline entry (of a good,
+    oversized or ragged size, sometimes next to a grant)."""
+    a = ack(rng, "", mm_hash, good)
+    item = {"mm_hash": mm_hash, "status": a["status"], "grant": a["grant"], "data": b"",
+            "detail": ""}
+    if rng.random() < 0.3:
+        item["data"] = rng.randbytes(rng.choice(INLINE_SIZES))
+        if item["status"] == 0 and rng.random() < 0.85:
+            item["grant"] = None
+    return item
+
+
+def ack_batch(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]],
+              good: bool = False) -> dict:
+    """v2: an AckBatch for a real batch (mostly), some of its items (now and then one it never
+    named, or one twice), or for a batch id never sent."""
+    if batches and rng.random() < 0.9:
+        bid, items = rng.choice(batches)
+        names = [m for m in items if rng.random() < 0.7] or items[:1]
+    else:
+        bid, names = rng.choice((0, 1, 99, rng.randrange(1 << 63))), [rng.choice(MM)]
+    if rng.random() < 0.1:
+        names.append(rng.choice(MM + ODD_MM[1:]))
+    if rng.random() < 0.05:
+        names.append(names[0])
+    return {"k": "acks", "v": 2, "session_id": sid, "batch_id": bid,
+            "items": [ack_item(rng, m, good) for m in names[:64]]}
+
+
+def park_frame(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]]) -> dict:
+    """v2: a Parked for a real batch (mostly), some of its items (now and then one it never
+    named, or one twice), or for a batch id never sent; any wait within the bounds."""
+    if batches and rng.random() < 0.85:
+        bid, items = rng.choice(batches)
+        names = [m for m in items if rng.random() < 0.6] or items[:1]
+    else:
+        bid, names = rng.choice((0, 1, 99, rng.randrange(1 << 63))), [rng.choice(MM)]
+    if rng.random() < 0.1:
+        names.append(rng.choice(MM + ODD_MM[1:]))
+    if rng.random() < 0.05:
+        names.append(names[0])
+    wait_s = rng.choice((0.0, 0.5, 5.0, 60.0, rng.random() * 60.0))
+    return {"k": "park", "v": 2, "session_id": sid, "batch_id": bid, "items": names[:64],
+            "wait_s": wait_s}
+
+
 @dataclass
 class Peer:
     """What "the producer" of one connection knows: the session id, what was asked, what it sent."""
 
     sid: str
     old_sids: list[str]
+    v2: bool = False
     requested: list[str] = field(default_factory=list)  # mm_hashes of recent XferReqs
     sent: list[bytes] = field(default_factory=list)  # recent valid acks, for replays
+    batches: list[tuple[int, list[str]]] = field(default_factory=list)  # recent ReqBatch frames
 
     def frame(self, rng: random.Random) -> bytes:
         op = rng.randrange(12)
         sid = self.sid if rng.random() < 0.9 else rng.choice((*self.old_sids, "", "other"))
+        if self.v2 and op <= 3 and rng.random() < 0.25:  # a Parked (v2): never answered
+            return ENC(park_frame(rng, sid, self.batches))
+        if self.v2 and op <= 3:  # an AckBatch (v2)
+            data = ENC(ack_batch(rng, sid, self.batches, good=rng.random() < 0.5))
+            if len(self.sent) >= 32:
+                del self.sent[:16]
+            self.sent.append(data)
+            return data
         if op <= 3:  # an answer to something we were asked (or to something we were not)
             answer = bool(self.requested) and rng.random() < 0.85
             if answer:  # mostly the oldest request not yet answered, as a producer would
@@ -157,12 +241,20 @@ class Peer:
             self.sent.append(data)
             return data
         if op == 4:
-            return ENC(welcome(rng, sid))
+            return ENC(welcome(rng, sid, self.v2))
         if op == 5 and self.sent:  # a replay: duplicate or late grant
             return rng.choice(self.sent)
         if op in (6, 7):  # a valid frame with fields replaced by random or hostile values
-            m = rng.choice((welcome(rng, sid), ack(rng, sid, rng.choice(MM))))
-            target = m["grant"] if isinstance(m.get("grant"), dict) and rng.random() < 0.5 else m
+            m = rng.choice((welcome(rng, sid, self.v2), ack(rng, sid, rng.choice(MM)),
+                            ack_batch(rng, sid, self.batches),
+                            park_frame(rng, sid, self.batches)))
+            if m["k"] == "acks" and rng.random() < 0.5:
+                m = m["items"][0]  # a field of an item (inside a batch frame below)
+                m = {"k": "acks", "v": 2, "session_id": sid, "batch_id": 1, "items": [m]}
+                target = m["items"][0]
+            else:
+                target = m["grant"] if isinstance(m.get("grant"), dict) and rng.random() < 0.5 \
+                    else m
             for _ in range(rng.randrange(1, 3)):
                 target[rng.choice(list(target))] = \
                     rng.choice(HOSTILE) if rng.random() < 0.5 else random_value(rng)
@@ -176,7 +268,9 @@ class Peer:
             except (TypeError, OverflowError, ValueError):
                 return b"\xc1"
         # byte-level mutations of valid frames of every kind (see test_fuzz_producer.mutate)
-        frames = [welcome(rng, sid), ack(rng, sid, rng.choice(MM)), *base_frames(sid)]
+        frames = [welcome(rng, sid, self.v2), ack(rng, sid, rng.choice(MM)),
+                  *([ack_batch(rng, sid, self.batches), park_frame(rng, sid, self.batches)]
+                    if self.v2 else []), *base_frames(sid)]
         return mutate(rng, frames, [ENC(f) for f in frames])
 
 
@@ -192,8 +286,11 @@ class Harness:
     """Plays the node (executes commands, answers Bind, runs the data plane), the producer's
     frames and the caller, and checks every command against the invariants above."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, v2: bool = False):
         self.rng = rng
+        self.v2 = v2
+        self.config = CONFIG_V2 if v2 else CONFIG
+        self.landing: Land | None = None  # the Land whose Report(Landed) must come next
         self.now = 0.0
         self.store = BlockStore(NUM_BLOCKS, BLOCK)
         self.epoch = 0
@@ -211,7 +308,8 @@ class Harness:
         self.unbound: list[str] = []  # conns whose Bind the node has not answered yet
         self.req_sent: dict[tuple[str, str], float] = {}  # (conn, mm_hash) -> latest XferReq
         self.window: dict[tuple[str, str], float] = {}  # (conn, mm_hash) -> end of grant window
-        self.feeding: tuple[float, float] | None = None  # (req_sent, lease_s) of the ack being fed
+        #: mm_hash -> (req_sent, lease_s) of each grant in the frame being fed (None: no frame)
+        self.feeding: dict[str, tuple[float, float]] | None = None
         self.stats: Counter = Counter()
         self.trace: deque[str] = deque(maxlen=16)  # the last events, for a failure message
         self.outcomes: Counter = Counter()
@@ -222,8 +320,9 @@ class Harness:
         self.generation += 1
         sid = f"{conn}-{self.generation}"
         old = self.peers[conn].old_sids + [self.peers[conn].sid] if conn in self.peers else []
-        self.peers[conn] = Peer(sid, old[-3:])
-        self.sessions[conn] = ConsumerSession(CONFIG, conn, self.store, self.now, session_id=sid)
+        self.peers[conn] = Peer(sid, old[-3:], self.v2)
+        self.sessions[conn] = ConsumerSession(self.config, conn, self.store, self.now,
+                                              session_id=sid)
         self.bindings[conn] = []
         self.unbound = [c for c in self.unbound if c != conn]
         if self.rng.random() < 0.9:
@@ -283,7 +382,15 @@ class Harness:
         assert isinstance(cmds, list), f"a session method returned {cmds!r}, not a list"
         sid = self.sessions[conn].session_id
         for c in cmds:
-            if isinstance(c, Send):
+            if self.landing is not None:  # a Land is followed by its entry's Report(Landed)
+                assert isinstance(c, Report) and isinstance(c.outcome, Landed), (self.landing, c)
+                assert c.outcome.entry.runs == self.landing.runs, (self.landing, c)
+                assert c.outcome.entry.nbytes == len(self.landing.data), (self.landing, c)
+            if isinstance(c, Land):
+                assert self.v2, f"a Land on a v1 session: {c}"
+                self.landing = c
+                self.stats["Land"] += 1
+            elif isinstance(c, Send):
                 assert c.peer == conn, c
                 self.check_sent(conn, sid, c.data)
             elif isinstance(c, PostRead):
@@ -293,8 +400,10 @@ class Harness:
                 assert any(c.prepared is b for b in self.bindings[conn]), \
                     f"PostRead without a binding given in answer to its Bind: {c}"
                 assert self.feeding is not None, f"PostRead outside an ack: {c}"
-                assert self.feeding[0] < INF, f"PostRead for {c.key!r}, never requested"
-                self.window[(conn, c.key)] = self.feeding[0] + self.feeding[1]
+                assert c.key in self.feeding, f"PostRead for {c.key!r}, not granted in this frame"
+                req, lease = self.feeding[c.key]
+                assert req < INF, f"PostRead for {c.key!r}, never requested"
+                self.window[(conn, c.key)] = req + lease
                 self.stats["PostRead"] += 1
                 self.post(conn, c)
             elif isinstance(c, Bind):
@@ -307,13 +416,24 @@ class Harness:
                 # a report answering the fetch() call that returned it closes that call
                 mine = c.outcome.mm_hash == fetched
                 fetched = None if mine else fetched
-                self.report(conn, sid, c.outcome, mine)
+                self.report(conn, sid, c.outcome, mine, inline=self.landing is not None)
+                self.landing = None
             else:
                 raise AssertionError(f"a consumer session returned {c!r}")
+        assert self.landing is None, f"a Land with no Report(Landed) after it: {self.landing}"
 
     def check_sent(self, conn: str, sid: str, data: bytes) -> None:
-        msg = decode(data, versions=(1,))  # every frame it sends is itself valid
-        assert isinstance(msg, (Hello, XferReq, XferDone, Renew)), msg
+        msg = decode(data, versions=(1, 2) if self.v2 else (1,))  # every frame it sends is valid
+        assert isinstance(msg, (Hello, XferReq, XferDone, Renew, ReqBatch)), msg
+        if isinstance(msg, ReqBatch):
+            assert self.v2 and msg.v == 2, msg
+            assert msg.inline_max == self.config.inline_max_bytes and msg.wait_s >= 0, msg
+            names = [i.mm_hash for i in msg.items]
+            assert len(set(names)) == len(names), f"an mm_hash twice in one batch: {msg}"
+            for m in names:
+                self.req_sent[(conn, m)] = self.now
+            self.peers[conn].batches.append((msg.batch_id, names))
+            del self.peers[conn].batches[:-16]
         assert msg.session_id == sid, (msg, sid)
         self.stats[type(msg).__name__] += 1
         if isinstance(msg, XferReq):
@@ -325,8 +445,9 @@ class Harness:
         elif isinstance(msg, Renew):
             assert math.isfinite(msg.extend_s) and msg.extend_s > 0, msg
 
-    def report(self, conn: str, sid: str, outcome, mine: bool) -> None:
-        """``mine``: it answers the fetch() call that returned it, else the oldest open one."""
+    def report(self, conn: str, sid: str, outcome, mine: bool, inline: bool = False) -> None:
+        """``mine``: it answers the fetch() call that returned it, else the oldest open one;
+        ``inline``: it follows a Land (an inline entry, v2)."""
         key = (conn, outcome.mm_hash)
         ds = self.open.get(key)
         assert ds, f"Report for {key} with no fetch in flight (a second report?): {outcome}"
@@ -335,9 +456,14 @@ class Harness:
             e = outcome.entry
             assert self.store.get(e.mm_hash) is e and e.ready, outcome
             assert e.mm_hash.startswith(outcome.mm_hash + "#"), outcome
-            assert (sid, outcome.mm_hash, outcome.grant_id) in self.granted, outcome
-            end = self.window.get(key, -INF)
-            assert self.now < end, f"landed at {self.now}, its grant's window ended at {end}"
+            if inline:  # no grant, no window: the bytes came in the answer, checked
+                assert outcome.grant_id == -1, outcome
+                assert e.nbytes <= self.config.inline_max_bytes and e.nbytes % BLOCK == 0, e
+                self.outcomes["inline"] += 1
+            else:
+                assert (sid, outcome.mm_hash, outcome.grant_id) in self.granted, outcome
+                end = self.window.get(key, -INF)
+                assert self.now < end, f"landed at {self.now}, its grant's window ended at {end}"
             self.outcomes["landed"] += 1
             if self.rng.random() < 0.1:  # the caller keeps it a while, pinned like the node does
                 self.store.pin_if_ready(e.mm_hash)
@@ -441,18 +567,31 @@ class Harness:
         if r < 0.5:
             data = self.peers[conn].frame(rng)
             self.note(conn, f"on_frame({data!r})")
+            self.feeding = {}
+            parked = False
             try:
-                msg = decode(data, versions=(1,))
+                msg = decode(data, versions=(1, 2) if self.v2 else (1,))
             except FrameError:
                 pass
             else:
+                parked = isinstance(msg, Parked)
                 if isinstance(msg, XferAck) and msg.grant is not None:
                     self.granted.add((msg.session_id, msg.mm_hash, msg.grant.grant_id))
                     req = self.req_sent.get((conn, msg.mm_hash), INF)
-                    self.feeding = (req, msg.grant.lease_s)
+                    self.feeding = {msg.mm_hash: (req, msg.grant.lease_s)}
+                elif isinstance(msg, AckBatch):
+                    for it in msg.items:
+                        if it.grant is not None:
+                            self.granted.add((msg.session_id, it.mm_hash, it.grant.grant_id))
+                            req = self.req_sent.get((conn, it.mm_hash), INF)
+                            # a second grant for one item in a frame: the first one is used
+                            self.feeding.setdefault(it.mm_hash, (req, it.grant.lease_s))
             self.stats["frames"] += 1
             try:
-                self.run(conn, s.on_frame(data, self.now))
+                out = s.on_frame(data, self.now)
+                assert not (parked and out), f"a Parked frame was answered: {out}"
+                self.stats["Parked"] += parked
+                self.run(conn, out)
             finally:
                 self.feeding = None
         elif r < 0.62:
@@ -489,10 +628,11 @@ class Harness:
             self.release_held()
 
 
-def test_random_and_mutated_frames_and_events():
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_random_and_mutated_frames_and_events(v2):
     n_frames, seed = fuzz_frames(), fuzz_seed()
     rng = random.Random(seed)
-    h = Harness(rng)
+    h = Harness(rng, v2)
     epoch_end = rng.randrange(500, 6000)
     step = 0
     t0 = time.perf_counter()
@@ -515,8 +655,10 @@ def test_random_and_mutated_frames_and_events():
                     f"{type(e).__name__}: {e}\nlast events:\n  {trace}", pytrace=False)
     elapsed = time.perf_counter() - t0
     assert h.outcomes["landed"] > 0 and h.stats["Renew"] > 0 or n_frames < 10_000
+    assert not v2 or h.outcomes["inline"] > 0 and h.stats["ReqBatch"] > 0 and \
+        h.stats["Parked"] > 0 or n_frames < 10_000
     print(f"seed {seed}: {h.stats['frames']} frames, {step} steps, {h.stats['epochs']} epochs in "
           f"{elapsed:.1f} s; outcomes {dict(h.outcomes)}; sent "
-          f"{ {k: h.stats[k] for k in ('Hello', 'XferReq', 'XferDone', 'Renew', 'PostRead')} }; "
+          f"{ {k: h.stats[k] for k in ('Hello', 'XferReq', 'ReqBatch', 'XferDone', 'Renew', 'PostRead', 'Land')} }; "
           f"failed sessions {h.stats['failed_sessions']}; "
           f"landing-key collisions {h.stats['landing_key_collisions']}")

@@ -128,7 +128,7 @@ def test_nacks_missing_not_ready_incompat_bad_request():
 
 
 def test_version_mismatch_in_hello_and_in_request():
-    p, _ = make_producer()
+    p, _ = make_producer(versions=(1,))  # a v1-only node and a v2-only consumer
     (w,) = msgs(p.on_frame("peer1", hello(versions=(2,)), 0.0), versions=(1, 2))
     assert w.status is Status.NACK_VERSION and "[1]" in w.detail and "[2]" in w.detail
     welcomed(p)

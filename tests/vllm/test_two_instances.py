@@ -126,18 +126,21 @@ def test_two_requests_share_one_fetch(producer, consumer):
 
 
 def test_not_ready_then_ready(producer, consumer):
-    """The producer announces while its save is still in flight; the consumer retries on
-    NACK_NOT_READY and gets the bytes once the save has landed."""
+    """The producer announces while its save is still in flight; the consumer's request waits
+    at the producer (ECTP v2: parked, no NACK_NOT_READY polling) and gets the bytes once the save
+    has landed."""
     h = uid("late")
     params, digests = produce(producer, [[h, 1, 40]], hold_reports=True)
     assert h in params  # announced although not READY yet
     rid = uid("c")
     consumer.add(make_request(rid, [(h, 1, 40)], params))
-    for _ in range(40):  # deferred while the producer answers NACK_NOT_READY
+    for _ in range(40):  # deferred while the request waits at the producer
         consumer.step()
         time.sleep(0.01)
     assert rid not in consumer.finished
-    assert producer.call("stats")["nacks"].get("NACK_NOT_READY", 0) >= 1
+    st = producer.call("stats")
+    assert st["parked_frames"] >= 1 and st["waiting_items"] == 1, st
+    assert st["nacks"].get("NACK_NOT_READY", 0) == 0, "the consumer polled instead of waiting"
     producer.call("release_reports")
     consumer.run(timeout_s=20)
     fin = consumer.finished[rid]
@@ -181,7 +184,7 @@ def test_busy_then_granted(producer, consumer, side_node):
     """The producer's pin budget admits one entry at a time: the second fetch is answered
     NACK_BUSY, retried, and granted once the first read completed."""
     rows = 64
-    n = side_node(budget_bytes=rows * HIDDEN * 2)
+    n = side_node(budget_bytes=rows * HIDDEN * 2, inline_max_bytes=0)  # inline pins nothing
     a, b = uid("busy-a"), uid("busy-b")
     ta, tb = encoder_output(a, rows, salt="side"), encoder_output(b, rows, salt="side")
     n.put(a, ta)
@@ -199,7 +202,8 @@ def test_busy_then_granted(producer, consumer, side_node):
 def test_entry_over_the_budget_computes_locally(producer, consumer, side_node):
     """An entry larger than the consumer's whole pin budget is refused for good (terminal, not
     NACK_BUSY since the grants of issue 13): a miss, computed locally, well before the deadline."""
-    n = side_node(budget_bytes=HIDDEN * 2)  # less than one entry
+    n = side_node(budget_bytes=HIDDEN * 2, inline_max_bytes=0)  # less than one entry; an
+    # inline answer pins nothing, so no budget applies to it
     h = uid("always-busy")
     n.put(h, encoder_output(h, 8, salt="side"))
     t0 = time.monotonic()

@@ -8,7 +8,8 @@ stdout (vLLM logs to stdout/stderr too, so replies are marked):
 
     {"cmd": "generate", "requests": [{"image": i, "side": 224, "text": "...",
                                       "params": {...} | null, "max_tokens": 8}]}
-        -> {"outputs": [{"tokens": [...], "params": ec_transfer_params | null, "s": seconds}]}
+        -> {"outputs": [{"tokens": [...], "params": ec_transfer_params | null, "s": seconds,
+                         "stages": {"waiting_s", "running_s"} | null}]}
            (requests are sent together; "s" is the whole batch's wall time)
     {"cmd": "reset_encoder_cache"} -> {}   (vLLM's own encoder cache: as if evicted)
     {"cmd": "shutdown"} -> {}              (the engine is shut down, then the process exits)
@@ -28,6 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def reply(obj: dict) -> None:
     sys.stdout.write("@@" + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def _stages(o) -> dict | None:
+    """Engine-core timestamps of a request (vLLM's ``RequestStateStats``, present when the engine
+    logs stats): seconds from queued to scheduled (waiting, e.g. for a fetch) and from scheduled
+    to the first token (loads, encoder, prefill)."""
+    m = getattr(o, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return None
+    return {"waiting_s": m.scheduled_ts - m.queued_ts,
+            "running_s": m.first_token_ts - m.scheduled_ts}
 
 
 def main() -> None:
@@ -61,7 +73,8 @@ def main() -> None:
                 res = llm.generate(prompts, params, use_tqdm=False)
                 s = time.monotonic() - t
                 out = {"outputs": [{"tokens": list(o.outputs[0].token_ids) if o.outputs else [],
-                                    "params": o.ec_transfer_params, "s": s} for o in res]}
+                                    "params": o.ec_transfer_params, "s": s,
+                                    "stages": _stages(o)} for o in res]}
             elif cmd == "reset_encoder_cache":
                 llm.llm_engine.engine_core.reset_encoder_cache()
             elif cmd == "shutdown":
