@@ -13,6 +13,7 @@ from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode
 from tests.conftest import wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
+# The producers below answer with grants (inline_max_bytes=0): these are grant/READ paths.
 ROWS = 8
 DATA = np.random.default_rng(5).integers(0, 256, (ROWS, LAYOUT.block_bytes), dtype=np.uint8)
 
@@ -86,7 +87,7 @@ def test_a_second_welcome_naming_another_plane_does_not_hand_old_handles_to_the_
     monkeypatch.setattr("ectransport.node.producer.load_plane", lambda n: fakes[n])
     monkeypatch.setattr("ectransport.node.consumer.load_plane", lambda n: fakes[n])
     sec = Security(insecure=True)
-    p1 = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("fa", "fb"), security=sec)
+    p1 = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("fa", "fb"), security=sec)
     assert p1.put("a", DATA)
     p1.start()
     port = p1.port
@@ -99,7 +100,7 @@ def test_a_second_welcome_naming_another_plane_does_not_hand_old_handles_to_the_
     assert not out.ok  # the "fa" READ never completes: read deadline, transfer quarantined
     assert c.stats()["quarantined_transfers"] == 1
     p1.close()
-    p2 = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("fb",), port=port,
+    p2 = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("fb",), port=port,
                               security=sec))
     assert p2.put("a", DATA)
     p2.start()
@@ -183,7 +184,7 @@ def test_a_hostile_producers_failed_session_does_not_close_an_honest_producers_u
     from ectransport.data.ucx import UcxEndpoint
 
     sec = Security(insecure=True)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("ucx",), security=sec))
+    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("ucx",), security=sec))
     assert p.put("a", DATA)
     p.start()
     ep = endpoint_bytes(UcxEndpoint(ENDPOINT_VERSION, "127.0.0.1", 1, "hostile", ""))
@@ -229,7 +230,7 @@ def test_a_push_planes_blocks_stay_pinned_until_its_grant_is_revoked(closing):
     from tests.node._ectp_raw import RawClient
 
     sec = Security(insecure=True)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("tcp",), security=sec))
+    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("tcp",), security=sec))
     assert p.put("a", DATA)
     p.start()
     plane = p.plane("tcp")

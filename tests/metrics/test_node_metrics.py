@@ -50,7 +50,9 @@ def traffic():
     allowed = {cpub, xpub}
     closing = []
     try:
-        producer = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("tcp",),
+        # inline off: these entries are small, and an inline answer (ECTP v2) is no grant
+        producer = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0,
+                                planes=("tcp",),
                                 security=Security(public_key=ppub, secret_key=psec,
                                                   allow=allowed.__contains__))
         closing.append(producer)
