@@ -62,7 +62,10 @@ def keys_show(key_file):
 @click.option("--name", default=None, help="File name for the entry (default: derived from key).")
 @friendly
 def keys_allow(pubkey, allow_dir, name):
-    """Allow a consumer: PUBKEY is a Z85 public key or a public key file."""
+    """Allow a consumer: PUBKEY is a Z85 public key or a public key file.
+
+    A Z85 key may begin with '-' (and contains shell metacharacters): pass a key file, or put
+    `--` before the key (`ectransport keys allow --dir DIR -- KEY`)."""
     from ectransport.control.keys import allow_key
 
     path = allow_key(allow_dir, pubkey, name=name)
