@@ -19,7 +19,9 @@ reversed on odd reps to cancel drift). Phases:
 * ``nixl-scope`` / ``scope-micro``: the NIXL plane with ``grant_scope="grant"`` A/B with
   ``"region"`` (fetch latency and throughput, then per-grant costs in-process; ``scope.py``);
 * ``consumers-nixl``: N ConsumerNodes vs N raw agents, one group alive at a time;
-* ``recompute``.
+* ``recompute``;
+* ``vllm-p2p-*``: vLLM's own ECCPUConnector P2P stack (its sessions over its NIXL transport,
+  ``vllm_p2p.py``), ect-nixl (v2 and v1 paths) and raw-nixl, each path alone, every size.
 
 Paths measured:
 
@@ -120,6 +122,8 @@ class Config:
     scope_sizes: list[str] | None = None  # labels compared there; None = every size of the run
     scope_reps: int = 15  # samples per scope and size (half above 9 MiB)
     micro_reps: int = 30  # samples per case of the in-process scope micro-benchmarks
+    vllm_p2p: bool = True  # vLLM's own ECCPUConnector P2P stack at each size (vllm_p2p.py)
+    vllm_p2p_blocks: int = 1  # phases per path there (ABCD, DCBA, ...), samples pooled
 
     @classmethod
     def quick(cls) -> Config:
@@ -131,7 +135,7 @@ class Config:
         return cls(mode="full", sizes=list(SIZES), planes=["nixl", "tcp", "ucx"], curve_off=True,
                    warmup=3, reps=25, thr_reps=5, inflight=[1, 4, 16], consumers=[1, 2, 8],
                    rtt_samples=200, scope_sizes=["64KiB", "1MiB", "8.8MiB", "64MiB"],
-                   scope_reps=100, micro_reps=200)
+                   scope_reps=100, micro_reps=200, vllm_p2p_blocks=2)
 
 
 def rows_of(label: str) -> int:
@@ -412,6 +416,46 @@ class EctPath:
     def close(self) -> None:
         self.node.close()
         self.node = None
+
+
+class AnnouncedPath(EctPath):
+    """An ectransport consumer fetching on the producer's tickets (ECTP v2 §10): every entry was
+    announced by the producer, so each fetch READs at once on the offer its session holds, with
+    no request (``ect-<plane>-announced``)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        from ectransport.protocol import Ticket
+
+        self.tickets = {mm: Ticket(producer=p, hold_id=h, mm_hash=mm)
+                        for mm, (p, h) in (args[3].get("tickets") or {}).items()}
+        deadline = time.monotonic() + 30.0  # the holds' offers, replayed at the first Sync
+        while self.node.stats()["offers_held"] < len(self.tickets) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.offered = self.node.stats()["offers_held"]
+
+    def one(self, i: int, slot: int) -> float:
+        mm = f"s{i}-c{slot}"
+        t0 = time.perf_counter()
+        out = self.node.fetch(self.addr, mm, ticket=self.tickets.get(mm))
+        dt = time.perf_counter() - t0
+        if not out.ok:
+            raise RuntimeError(f"{self.name}: fetch missed: {out.reason} {out.detail}")
+        del out
+        return dt
+
+    def batch(self, i: int, n: int) -> float:
+        names = [f"s{i}-c{slot}" for slot in range(n)]
+        t0 = time.perf_counter()
+        outs = self.node.fetch_many(self.addr, names,
+                                    tickets=[self.tickets.get(m) for m in names])
+        dt = time.perf_counter() - t0
+        bad = [r for r in outs if not r.ok]
+        if bad:
+            raise RuntimeError(f"{self.name}: batch fetch missed: {bad[0].reason}")
+        del outs
+        return dt
 
 
 def _slots(n: int, nbytes: int) -> list[np.ndarray]:
@@ -853,12 +897,18 @@ def run(cfg: Config) -> dict:
                         v1 = ph.add(EctPath(f"{name}-v1", plane, curve, info,
                                             server.consumer_secret, sizes, max_k, versions=(1,)))
                         result["transports"][v1.name] = v1.transport
+                    ann = None
+                    if curve and info.get("tickets"):  # offers: planes read one-sidedly
+                        ann = ph.add(AnnouncedPath(f"{name}-announced", plane, curve, info,
+                                                   server.consumer_secret, sizes, max_k))
+                        result["transports"][ann.name] = ann.transport
+                        log(f"{ann.name}: {ann.offered} of {len(ann.tickets)} offers held")
                     raw = _open_raw(ph, result, plane, sizes, slots)
                     if raw is not None:
                         raw.name = rawname
                     ph.running()
                     paths = [ect] + ([v1] if v1 is not None else []) + \
-                        ([raw] if raw is not None else [])
+                        ([ann] if ann is not None else []) + ([raw] if raw is not None else [])
                     for i, lb in enumerate(labels):
                         t0 = time.perf_counter()
                         reps = cfg.reps if sizes[i] <= 9 * MiB else max(5, cfg.reps // 2)
@@ -869,7 +919,7 @@ def run(cfg: Config) -> dict:
                     if curve:
                         _throughput(cfg, result, paths, labels, sizes)
                     if curve and "1MiB" in labels:
-                        _batch(cfg, result, labels.index("1MiB"), "1MiB", ect, v1, raw)
+                        _batch(cfg, result, labels.index("1MiB"), "1MiB", ect, v1, raw, ann)
                     if plane == rtt_plane:
                         # control round trip: the ProducerNode + a pyzmq echo, nothing else
                         if raw is not None:
@@ -899,6 +949,13 @@ def run(cfg: Config) -> dict:
         # phase: recompute (nothing open)
         with Phase(result, server, "recompute"):
             result["recompute"] = recompute(cfg, labels, sizes)
+
+        # phases: vLLM's own P2P stack vs ect-nixl (v2, v1) vs raw-nixl, each alone; last, as
+        # they import vLLM into both processes (issue 16; skipped, with the reason, without it)
+        if cfg.vllm_p2p:
+            import vllm_p2p  # noqa: PLC0415  (benchmarks/vllm_p2p.py imports this module)
+
+            vllm_p2p.run_vllm_p2p(cfg, result, server, labels, sizes)
     finally:
         if server is not None:
             server.close()
@@ -933,7 +990,7 @@ BATCH_N = 8
 
 
 def _batch(cfg: Config, result: dict, i: int, size_label: str, ect: EctPath,
-           v1: EctPath | None, raw) -> None:
+           v1: EctPath | None, raw, ann: EctPath | None = None) -> None:
     """8 entries of size ``i`` fetched together (``EctPath.batch``: one ReqBatch on v2, 8
     XferReqs on the v1 path) A/B with 8 raw READs posted together (``raw.window(i, 8, 8)``),
     interleaved and alternated as the latency phases; ``result["batch"][label][path]``."""
@@ -941,6 +998,8 @@ def _batch(cfg: Config, result: dict, i: int, size_label: str, ect: EctPath,
     paths = [(ect.name, lambda: ect.batch(i, BATCH_N))]
     if v1 is not None:
         paths.append((v1.name, lambda: v1.batch(i, BATCH_N)))
+    if ann is not None:
+        paths.append((ann.name, lambda: ann.batch(i, BATCH_N)))
     if raw is not None and hasattr(raw, "window"):
         paths.append((raw.name, lambda: raw.window(i, BATCH_N, BATCH_N)))
     samples: dict[str, list[float]] = {n: [] for n, _ in paths}

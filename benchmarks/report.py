@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import fanout_report
+import vllm_p2p
 from harness import TARGETS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,6 +132,10 @@ def targets(res: dict) -> list[dict]:
     st = scope_target(res)
     if st is not None:
         out.append(st)
+    vt = vllm_target(res)
+    if vt is not None:
+        out.append(vt)
+    out += fanout_report.targets(res)  # N consumer processes, one producer (issue 16 item 7)
     return out
 
 
@@ -253,7 +259,8 @@ def v2_rows(res: dict) -> tuple[list[str], list[list[str]]]:
     """Issue 16, v1 path vs default (v2) path: per size and plane, p50 of ``ect-<plane>`` (the
     build's highest version), ``ect-<plane>-v1`` (a consumer configured ``versions=(1,)``) and the
     raw plane, same phase, interleaved."""
-    cols = ["size", "plane", "default (v2) p50", "v1 path p50", "v2/v1", "raw p50", "v2/raw"]
+    cols = ["size", "plane", "default (v2) p50", "v1 path p50", "v2/v1", "announced p50",
+            "raw p50", "v2/raw", "announced/raw"]
     rows = []
     for size in res["latency"]:
         for p in ("nixl", "tcp", "ucx"):
@@ -261,9 +268,45 @@ def v2_rows(res: dict) -> tuple[list[str], list[list[str]]]:
             if v1 is None or v2 is None:
                 continue
             raw = _p50(res, size, f"raw-{p}")
-            rows.append([size, p, fmt_t(v2), fmt_t(v1), fmt_r(_div(v2, v1)), fmt_t(raw),
-                         fmt_r(_div(v2, raw))])
+            ann = _p50(res, size, f"ect-{p}-announced")
+            rows.append([size, p, fmt_t(v2), fmt_t(v1), fmt_r(_div(v2, v1)),
+                         fmt_t(ann) if ann else "—", fmt_t(raw), fmt_r(_div(v2, raw)),
+                         fmt_r(_div(ann, raw)) if ann else "—"])
     return cols, rows
+
+
+#: Issue 16: an announced fetch (read on its ticket) ÷ the raw NIXL READ, p50, per size label.
+ANNOUNCED_MAX_RATIO = {"64KiB": 2.0, "8.8MiB": 1.05}
+
+
+def announced_targets(res: dict) -> list[dict]:
+    """Issue 16's targets for announced entries (ECTP v2 §10: read on the producer's offer, no
+    request): ≤ 2× raw NIXL at 64 KiB, ≤ 1.05× at 8.8 MiB; and faster than safetensors on
+    /dev/shm at every size ≥ 64 KiB. The floor is the raw READ itself (nothing is asked)."""
+    out = []
+    for size, limit in ANNOUNCED_MAX_RATIO.items():
+        ann, raw = _p50(res, size, "ect-nixl-announced"), _p50(res, size, "raw-nixl")
+        if ann is None or raw is None:
+            continue
+        out.append({"target": f"announced {size} fetch p50 ≤ {limit:g}× raw NIXL READ p50",
+                    "measured": f"{ann / raw:.2f}× ({fmt_t(ann)} vs {fmt_t(raw)})",
+                    "floor": "1.00× (the READ alone: no request)", "met": ann / raw <= limit})
+    worst = None
+    for size in res["latency"]:
+        st, ann = _p50(res, size, "safetensors-shm"), _p50(res, size, "ect-nixl-announced")
+        if st is None or ann is None:
+            continue
+        if worst is None or ann / st > worst[1] / worst[2]:
+            worst = (size, ann, st)
+    if worst is not None:
+        size, ann, st = worst
+        raw = _p50(res, size, "raw-nixl")
+        out.append({"target": "faster than safetensors on /dev/shm at every size (announced)",
+                    "measured": f"worst {size}: {st / ann:.2f}× ({fmt_t(ann)} vs {fmt_t(st)})",
+                    "floor": (f"{st / raw:.2f}× at {size} (safetensors ÷ raw READ)"
+                              if raw else "—"),
+                    "met": ann < st})
+    return out
 
 
 def batch_rows(res: dict) -> tuple[list[str], list[list[str]]]:
@@ -296,7 +339,14 @@ def batch_targets(res: dict) -> list[dict]:
                         "floor": (f"{(r['p50'] + echo) / r['p50']:.2f}× (raw + one zmq round "
                                   f"trip)") if echo else "—",
                         "met": ratio <= BATCH_MAX_RATIO})
-    return out
+        e, r = paths.get("ect-nixl-announced"), paths.get("raw-nixl")
+        if isinstance(e, dict) and isinstance(r, dict):
+            ratio = e["p50"] / r["p50"]
+            out.append({"target": f"{label} in one batch ≤ {BATCH_MAX_RATIO}× the raw READs "
+                                  f"posted together (nixl, announced)",
+                        "measured": f"{ratio:.2f}× ({fmt_t(e['p50'])} vs {fmt_t(r['p50'])})",
+                        "floor": "1.00× (the READs alone)", "met": ratio <= BATCH_MAX_RATIO})
+    return out + announced_targets(res)
 
 
 def _v2_section(res: dict) -> list[str]:
@@ -321,6 +371,127 @@ def _v2_section(res: dict) -> list[str]:
             out += [_md_table(["target", "measured", "floor on this host (same run)", "met"],
                               [[x["target"], x["measured"], x["floor"],
                                 "yes" if x["met"] else "**no**"] for x in bt]), ""]
+    return out
+
+
+def _vllm_speedups(res: dict) -> dict:
+    v = res.get("vllm_p2p") or {}
+    return v.get("speedup") or vllm_p2p.summarize(v)
+
+
+def vllm_target(res: dict) -> dict | None:
+    """Issue 16: ectransport (ect-nixl, this build's default path) ≥ 1.5× faster than vLLM's own
+    P2P stack at every size (p50 of vLLM ÷ p50 of ect-nixl, same run, each path alone). The
+    floor is vLLM ÷ a raw NIXL READ: the most any design that reads with NIXL could gain here."""
+    v = res.get("vllm_p2p") or {}
+    sp = _vllm_speedups(res)
+    name = (f"≥ {vllm_p2p.TARGET_SPEEDUP:g}× faster than vLLM's own P2P stack "
+            f"({vllm_p2p.LABEL}) at every size, p50 (issue 16)")
+    if v.get("skipped"):
+        return {"target": name, "measured": f"not measured: {v['skipped']}", "floor": "—",
+                "met": False}
+    rows = [(x[vllm_p2p.PATH].get("ect-nixl"), x[vllm_p2p.PATH].get("floor"), lb)
+            for lb, x in sp.items() if vllm_p2p.PATH in x]
+    rows = [r for r in rows if r[0] is not None]
+    if not rows:
+        return None
+    worst = min(rows)
+    lat = v["latency"][worst[2]]
+    floors = [r for r in rows if r[1] is not None]
+    fl = min(floors, key=lambda r: r[1]) if floors else None
+    return {"target": name,
+            "measured": f"worst {worst[0]:.2f}× ({worst[2]}: {fmt_t(lat[vllm_p2p.PATH]['p50'])} "
+                        f"vs {fmt_t(lat['ect-nixl']['p50'])}); " + ", ".join(
+                            f"{lb} {r:.2f}×" for r, _, lb in rows),
+            "floor": "—" if fl is None else (
+                f"{fl[1]:.2f}× at {fl[2]} (vLLM ÷ raw NIXL READ; lowest of the sizes)"
+                + (" — below the target: no design reading with NIXL meets it there"
+                   if fl[1] < vllm_p2p.TARGET_SPEEDUP else "")),
+            "met": worst[0] >= vllm_p2p.TARGET_SPEEDUP}
+
+
+def vllm_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """Per size: vLLM's P2P stack, ect-nixl (default = v2 path, v1 path), raw READ; p50/p99 and
+    vLLM ÷ ectransport (> 1: ectransport is faster); then the vLLM stack with its agents' progress
+    thread paused (not vLLM's config)."""
+    v = res.get("vllm_p2p") or {}
+    P, Q = vllm_p2p.PATH, vllm_p2p.PATH_PAUSED
+    cols = ["size", f"{vllm_p2p.LABEL} p50 / p99", "ect-nixl (v2) p50 / p99", "ect-nixl-v1 p50",
+            "raw-nixl p50", "vLLM ÷ ect v2", "vLLM ÷ ect v1", "floor: vLLM ÷ raw",
+            f"≥ {vllm_p2p.TARGET_SPEEDUP:g}×", f"{Q} p50", f"{Q} ÷ ect v2"]
+    rows = []
+    sp = _vllm_speedups(res)
+    for lb, by in v.get("latency", {}).items():
+        if P not in by and Q not in by:
+            continue
+
+        def pp(k: str, by=by) -> str:
+            x = by.get(k)
+            return "—" if not x else f"{fmt_t(x['p50'])} / {fmt_t(x['p99'])}"
+
+        def p50(k: str, by=by) -> str:
+            return fmt_t(by.get(k, {}).get("p50"))
+
+        a, q = sp.get(lb, {}).get(P, {}), sp.get(lb, {}).get(Q, {})
+        x = a.get("ect-nixl")
+        met = "—" if x is None else ("yes" if x >= vllm_p2p.TARGET_SPEEDUP else "**no**")
+        rows.append([lb, pp(P), pp("ect-nixl"), p50("ect-nixl-v1"), p50("raw-nixl"),
+                     fmt_r(x), fmt_r(a.get("ect-nixl-v1")), fmt_r(a.get("floor")), met,
+                     p50(Q), fmt_r(q.get("ect-nixl"))])
+    return cols, rows
+
+
+def _vllm_section(res: dict) -> list[str]:
+    """``## vLLM's own P2P stack side by side (issue 16)``."""
+    v = res.get("vllm_p2p")
+    if not v:
+        return []
+    out = [f"## vLLM's own P2P stack side by side: {vllm_p2p.LABEL} (issue 16)", ""]
+    if v.get("skipped"):
+        return out + [f"Not measured in this run: {v['skipped']}.", ""]
+    prod = (v.get("producer") or {}).get(vllm_p2p.PATH, {})
+    out += [f"vLLM {v.get('vllm_version', '?')}'s own ECCPUConnector classes "
+            "(`ProducerSession` / `ConsumerSession` over its `ZmqServerTransport` / "
+            "`ZmqClientTransport` and `NixlDataTransport`, `EmbeddingCache` on both sides; "
+            "`benchmarks/vllm_p2p.py`), producer in the server process holding the same entries "
+            "(keys, bytes, copies) as the ProducerNode, consumer in the bench process, no "
+            "engine. Target: ectransport ≥ "
+            f"{vllm_p2p.TARGET_SPEEDUP:g}× faster than it at every size (p50 of vLLM ÷ p50 of "
+            "`ect-nixl`); the floor, vLLM ÷ a raw NIXL READ, is the most any design that reads "
+            f"with NIXL could gain on this host. Method: {v.get('method', '')}.", ""]
+    t = vllm_target(res)
+    if t is not None:
+        q = [x.get(vllm_p2p.PATH_PAUSED, {}).get("ect-nixl") for x in _vllm_speedups(res).values()]
+        q = [x for x in q if x is not None]
+        out += [f"**Verdict (this run): {'met' if t['met'] else 'missed'}** — vLLM p50 ÷ "
+                f"ect-nixl p50 {t['measured']}; floor {t['floor']}."
+                + (f" Against `{vllm_p2p.PATH_PAUSED}` (not vLLM's config, see below) the "
+                   f"same ratio is {min(q):.2f}×–{max(q):.2f}×." if q else ""), ""]
+    cols, rows = vllm_rows(res)
+    if rows:
+        out += [_md_table(cols, rows), ""]
+    bd = v.get("breakdown_p50") or {}
+    brows = [[lb, n, " · ".join(f"{k} {fmt_t(t)}" for k, t in x.items())]
+             for lb, by in bd.items() for n, x in by.items()]
+    if brows:
+        out += ["Where the time goes (p50 of each part, each over the same samples). vLLM: "
+                "`ack` = `start_xfer` until its XferAck is in the consumer; `read` = from there "
+                "until the session reports the READ done (vLLM posts one descriptor per "
+                "7168-byte block, `make_prepped_xfer` over the block indices). ectransport: "
+                "`Fetched.timings` deltas (`req` → request sent, `ack` → answer in, `posted` → "
+                "READ posted, `landed` → bytes in, `total` → result; `wall` = the whole fetch). "
+                "Each XferAck of vLLM carries the "
+                f"producer's agent metadata ({prod.get('agent_metadata_bytes', '?')} bytes) and "
+                f"the descriptor list of its whole region "
+                f"({prod.get('mem_descriptor_bytes', '?')} bytes for "
+                f"{prod.get('num_blocks', '?')} blocks here, the same region size as the "
+                "ProducerNode's), whatever the entry's size.", "",
+                _md_table(["size", "path", "parts (p50 each)"], brows), ""]
+    out += [f"`{vllm_p2p.PATH_PAUSED}` is the same vLLM stack with both agents' progress "
+            f"thread pausing {vllm_p2p.PAUSED_US} µs between passes (ectransport's agent "
+            "config) instead of spinning (vLLM's: NIXL's default): not vLLM's configuration, "
+            "it shows how much of the gap on this 2-core host is two spinning threads rather "
+            "than the protocol.", ""]
     return out
 
 
@@ -381,7 +552,9 @@ def print_tables(res: dict) -> None:
     for cols, rows, title in ((*v2_rows(res), "ECTP v2: default path vs the v1 path, p50, same "
                                                "phase, interleaved (issue 16)"),
                               (*batch_rows(res), "batches: 8 entries together vs 8 raw READs "
-                                                 "posted together (issue 16)")):
+                                                 "posted together (issue 16)"),
+                              (*vllm_rows(res), f"{vllm_p2p.LABEL} vs ectransport, each path "
+                                                "alone, same run (issue 16)")):
         if rows:
             t = Table(title=title)
             for c in cols:
@@ -401,6 +574,8 @@ def print_tables(res: dict) -> None:
     for x in targets(res) + batch_targets(res):
         t.add_row(x["target"], x["measured"], x["floor"], "yes" if x["met"] else "NO")
     con.print(t)
+    for line in fanout_report.notes(res):  # N consumer processes: misses explained, warm-up
+        con.print(line)
     if res.get("errors"):
         con.print(f"errors: {res['errors']}")
 
@@ -699,6 +874,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                             fmt_t(v["max"]), str(v["n"])]
                            for size, paths in solo.items() for p, v in paths.items()]), ""]
     out += _v2_section(res)
+    out += _vllm_section(res)
     out += _scope_section(res)
     out += _ttft_section()
     out += ["## Latency per path (one at a time)", ""]
@@ -735,6 +911,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                     crows.append([n, p, f"{s['gbps']:.2f}", f"{s['min']:.2f}–{s['max']:.2f}",
                                   str(s["n"])])
         out += [_md_table(["consumers", "path", "GB/s median", "min–max", "reps"], crows), ""]
+    out += fanout_report.markdown_section(res)  # N consumer processes on one producer (issue 16)
     rtt = res.get("control_rtt", {})
     if rtt:
         out += [f"## Control-plane round trip (XferReq→XferAck, entry of "
@@ -789,7 +966,8 @@ python benchmarks/run.py --full                 # the same without the CLI
   (8.8 MiB, ect-nixl alone and raw-nixl alone, twice each), `nixl-scope` (two ProducerNodes,
   nixl `grant_scope` grant and region, and a ConsumerNode for each: latency A/B and throughput;
   see "Grant scope"), `scope-micro` (per-grant costs on NixlPlanes in the consumer process),
-  `consumers-nixl`, `recompute`.
+  `consumers-nixl`, `recompute`, then `vllm-p2p-*` (vLLM's own ECCPUConnector P2P stack,
+  ect-nixl on the v2 and v1 paths and raw-nixl, each path alone; see "vLLM's own P2P stack").
   Before each phase both processes are checked idle (thread count, CPU-s/s over 0.5 s).
 - Entry sizes are whole rows of a Qwen2-VL-7B encoder output (hidden 3584, bf16: 7168 bytes per
   row), so "8.8MiB" is 1287 rows = 9 225 216 bytes; exact sizes are in the JSON.

@@ -26,6 +26,10 @@ def main(quick: bool = False, out: Path | None = None, write_docs: bool | None =
     """Run, print the tables; write JSON (+ PNG and docs/performance.md for a full run) to out."""
     cfg = harness.Config.quick() if quick else harness.Config.full()
     res = harness.run(cfg)
+    if not quick:  # N consumer processes on one producer (issue 16 item 7): benchmarks/fanout.py
+        import fanout  # noqa: PLC0415
+
+        res["fanout"] = fanout.run(fanout.FanoutConfig.full(), res)
     report.print_tables(res)
     if out is None and not quick:
         out = DEFAULT_OUT

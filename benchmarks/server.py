@@ -258,8 +258,11 @@ def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool,
     with _nixl_env():  # the UcxPlane passes its UCX options explicitly, it does not need them
         # pin budget = the whole region (default: a quarter): the harness is one consumer
         # identity whose k-deep window of the largest entries must not wait on NACK_BUSY
+        # every entry announced once stored (ECTP v2 §10): held for the whole phase (hold_s at
+        # its 1 h bound, holds may pin the whole region), so the announced path reads on tickets
         node = ProducerNode(layout=layout, region_bytes=(need + 16) * block, security=sec,
                             planes=(plane,), lease_s=30.0, budget_bytes=(need + 16) * block,
+                            hold_s=3600.0, hold_share=1.0,
                             plane_options={plane: dict(plane_options)} if plane_options else None,
                             node_id=f"bench-producer-{plane}-" + ("plain" if insecure else "curve")
                             + "".join(f"-{v}" for v in (plane_options or {}).values()))
@@ -270,11 +273,16 @@ def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool,
             for k in range(c):
                 if not node.put(f"s{i}-c{k}", rows):
                     raise RuntimeError(f"producer region too small for size {src.nbytes} copy {k}")
+        tickets = {}
+        for mm in [f"s{i}-c{k}" for i, c in enumerate(copies) for k in range(c)]:
+            t = node.announce(mm)
+            if t is not None and t.hold_id:
+                tickets[mm] = [t.producer, t.hold_id]
     except BaseException:
         node.close()
         raise
     return node, {"port": node.port, "public_key": node.public_key,
-                  "transports": node.plane_transports()}
+                  "transports": node.plane_transports(), "tickets": tickets}
 
 
 def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
@@ -285,6 +293,10 @@ def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
                          plane_options=req.get("plane_options"))
     if kind == "zmq":
         return _zmq_echo(req["curve"])
+    if kind == "vllm":  # vLLM's own ECCPUConnector P2P producer (vllm_p2p.py, issue 16)
+        import vllm_p2p
+
+        return vllm_p2p.open_producer(cfg, sources, req, _nixl_env)
     if kind == "raw":
         plane = req["plane"]
         if plane == "nixl":
@@ -325,6 +337,9 @@ def main() -> None:
     * ``{"op": "open", "kind": "raw", "plane": P[, "delay_us": D]}`` — the raw endpoint of plane
       P (nixl: its agent's progress-thread delay, µs);
     * ``{"op": "open", "kind": "zmq", "curve": B}`` — a pyzmq ROUTER echo;
+    * ``{"op": "open", "kind": "vllm"[, "delay_us": D]}`` — vLLM's own ECCPUConnector P2P
+      producer holding the same entries (``vllm_p2p.Producer``; imports vLLM, seconds; D: its
+      agent's progress-thread pause instead of vLLM's spinning default);
     * ``{"op": "close", "id": N}``; ``{"op": "idle", "seconds": S}`` (threads and CPU use while
       idle, to check that nothing left behind spins).
 

@@ -168,6 +168,16 @@ class ProducerSettings(_Section, frozen=True):
         "ECTP v2: entries up to this size travel inside the answer (no grant, READ, XferDone) "
         "when the consumer accepts it, bytes; 0 = never", ge=0, le=MiB,
     )] = 64 << 10
+    hold_s: Annotated[float, doc(
+        "ECTP v2: an announced entry is held (pinned, offered to consumer sessions to read "
+        "with no request) this long, s; consumers' Renew frames extend the pin, never the "
+        "offered window", ge=0.5, le=3600,
+    )] = 10.0
+    hold_share: Annotated[float, doc(
+        "ECTP v2: most of the region that announcement holds may pin, a fraction; beyond it "
+        "an entry is announced without a hold and fetched with a request; 0 = never hold",
+        ge=0, le=1,
+    )] = 0.25
     images: Annotated[Text | None, doc(
         "folder or file of images `serve`/`demo` encode at start-up; unset = the six "
         "bundled public-domain photographs", path=True,
@@ -353,6 +363,12 @@ class VllmSettings(_Section, frozen=True):
         "a saving instance (ec_producer, ec_both) takes a repeated item from its own region "
         "instead of running the encoder again"
     )] = True
+    admit_wait_s: Annotated[float, doc(
+        "consumer: how long the scheduler waits for a fetch it just started that is expected "
+        "to land at once (read on the producer's offer, or small enough to come inline), so "
+        "that the request is scheduled in this step instead of the next, s; 0 = never wait",
+        ge=0, le=0.1,
+    )] = 0.005
 
 
 class Settings(_Section, frozen=True):
@@ -392,6 +408,7 @@ class Settings(_Section, frozen=True):
                 "planes": self.node.planes, "lease_s": p.lease_s,
                 "budget_bytes": p.budget_bytes, "grace_s": p.grace_s,
                 "max_wait_s": p.max_wait_s, "inline_max_bytes": p.inline_max_bytes,
+                "hold_s": p.hold_s, "hold_share": p.hold_share,
                 "node_id": self.node.node_id, "versions": self.node.versions,
                 "plane_options": self.plane_options(),
                 "control_options": msgspec.structs.asdict(self.control.server)}

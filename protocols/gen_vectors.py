@@ -43,11 +43,14 @@ from ectransport.protocol import (
     Hello,
     Message,
     Nack,
+    Offer,
+    OfferItem,
     Parked,
     Renew,
     ReqBatch,
     ReqItem,
     Status,
+    Sync,
     Welcome,
     XferAck,
     XferDone,
@@ -228,6 +231,7 @@ MM2 = "4e8a1f0c7b3d5e9a2c6f8b1d0e7a3c5f9b2d4e6a8c0f1e3d5b7a9c2e4f6a8b0c"  # a se
 MM3 = "c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2"  # a third entry
 BATCH = 0x2C41E9D3A0B75F18  # a batch id as the reference consumer draws it (63 bits)
 GID2 = 0x3E5B7F1A9C2D4E60
+HOLD = 0x1D7C3A5E9B0F2468  # a hold id (63 bits, as a grant id)
 NIXL_GRANT2 = msgspec.msgpack.encode({
     "type": "nixl/1",
     "agent": "producer-0-1a2b3c4d",
@@ -335,6 +339,26 @@ VALID_V2: dict[str, tuple[Message, str]] = {
     "nack_batch_on_v1": (Nack(v=1, status=Status.NACK_VERSION,
                               detail="'reqs' frames exist since version 2, not 1"),
                          "A batch sent on a v1 session: refused, the session goes on."),
+    "hello_v2_offers": (Hello(v=2, session_id=SID, node_id="consumer-0", versions=[1, 2],
+                              planes=["nixl"], compat_hash=COMPAT, mem_kinds=["DRAM"],
+                              features=["offers"]),
+                        ("A v2 consumer asking for offers of announced entries (§7; the "
+                         "optional features list, omitted when empty).")),
+    "welcome_v2_offers": (Welcome(v=2, session_id=SID, node_id="producer-0", status=Status.OK,
+                                  version=2, plane="nixl", versions=[1, 2], planes=["nixl"],
+                                  compat_hash=COMPAT, detail="", features=["offers"]),
+                          "Offers granted: v2, and the hold plane (one-sided READ) negotiated."),
+    "sync": (Sync(v=2, session_id=SID, t=81234.125),
+             "The consumer's clock when it sent this frame: the anchor of offer windows."),
+    "offer": (Offer(v=2, session_id=SID, anchor=81234.125, items=[
+        OfferItem(mm_hash=MM, grant=Grant(grant_id=HOLD, entry_bytes=11264, num_blocks=3,
+                                          block_bytes=4096, lease_s=10.0, plane="nixl",
+                                          plane_grant=NIXL_GRANT), valid_s=9.75)]),
+              ("An announced entry held for 10 s: readable until anchor + 9.75 s (minus the "
+               "consumer's margin) on the consumer's clock; grant_id is the hold id a ticket "
+               "names.")),
+    "done_hold": (XferDone(v=2, session_id=SID, mm_hash=MM, grant_id=HOLD, ok=True),
+                  "A READ on an offer completed: XferDone names the hold."),
 }
 
 
@@ -388,6 +412,20 @@ INVALID_V2: dict[str, tuple[bytes, list[int], Status, str | None, str]] = {
                            Status.NACK_BAD_REQUEST, "park", "wait_s = 60.5 (bound 60)."),
     "park_wait_negative": (_e(_with(_frame2("park"), wait_s=-1.0)), [2],
                            Status.NACK_BAD_REQUEST, "park", "wait_s = -1."),
+    "sync_v1": (_e(_with(_frame2("sync"), v=1)), [1, 2], Status.NACK_VERSION, "sync",
+                "Sync claiming v = 1: offers exist since v2."),
+    "sync_negative": (_e(_with(_frame2("sync"), t=-1.0)), [2], Status.NACK_BAD_REQUEST, "sync",
+                      "t = -1."),
+    "offer_on_v1_session": (_e(_frame2("offer")), [1], Status.NACK_VERSION, "offer",
+                            "Offer at v = 2 on a v1 session."),
+    "offer_empty": (_e(_with(_frame2("offer"), items=[])), [2], Status.NACK_BAD_REQUEST,
+                    "offer", "Offer naming no entry."),
+    "offer_valid_too_long": (_e(_with(_frame2("offer"), items=[
+        {**_frame2("offer")["items"][0], "valid_s": 86401.0}])), [2], Status.NACK_BAD_REQUEST,
+        "offer", "valid_s = 86401 (bound one day)."),
+    "offer_without_grant": (_e(_with(_frame2("offer"), items=[
+        _without(_frame2("offer")["items"][0], "grant")])), [2], Status.NACK_BAD_REQUEST,
+        "offer", "An offer item without its grant."),
 }
 assert all(len(d) < 64 << 10 for d, *_ in INVALID_V2.values())
 

@@ -327,7 +327,10 @@ class NixlPlane(NixlExposure, NixlRemoteAgents, DataTransport):
                 f"nixl grant of agent {grant.agent!r} covers {remote_bytes} bytes, the local runs "
                 f"{local_bytes} bytes; both sides must use the same block_bytes and block count"
             )
-        seg_local, seg_remote = segment_pair(local, grant.descs)
+        if len(local) == 1 and len(grant.descs) == 1:  # the usual case: one span each side
+            seg_local, seg_remote = local, list(grant.descs)  # (equal lengths: checked above)
+        else:
+            seg_local, seg_remote = segment_pair(local, grant.descs)
         dev = self._dev_id
         with self._lock:
             if self._closed:

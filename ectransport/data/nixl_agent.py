@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ class LazyCapabilities:
 def _cuda_available() -> bool:
     if importlib.util.find_spec("torch") is None:
         return False
+    if "torch" not in sys.modules and _torch_build() == (None, None):
+        return False  # a CPU-only torch build: no VRAM, and no ~2 s torch import to learn it
     try:
         import torch
 
@@ -70,9 +73,63 @@ def _cuda_available() -> bool:
         return False
 
 
+def _torch_build() -> tuple[str | None, str | None] | None:
+    """``(torch.version.cuda, torch.version.hip)`` of the installed torch, read off disk
+    (``torch/version.py``) without importing torch; None if torch is absent or that file can't
+    be read."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        vspec = importlib.util.spec_from_file_location(
+            "_ectransport_torch_version", Path(spec.origin).parent / "version.py")
+        if vspec is None or vspec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(vspec)
+        vspec.loader.exec_module(mod)
+    except Exception:  # noqa: BLE001 - unreadable: the caller takes the slow, exact path
+        return None
+    return getattr(mod, "cuda", None), getattr(mod, "hip", None)
+
+
+def _import_nixl_meta() -> None:
+    """``import nixl``, without the torch import it would do only to learn "no CUDA".
+
+    nixl's meta package picks its backend wheel by CUDA major (``nixl_meta_utils``): from a CUDA
+    stack already imported, else torch's build version read off disk, else — a CPU-only torch —
+    by importing all of torch (``torch.version.cuda``: the same file, so again None). That import
+    is ~2 s of CPU in every fresh process (measured: 2.1 of the 2.6 s a fresh interop consumer
+    spent opening its nixl plane; 8 consumers opened one after another made the 8-consumer nixl
+    fan-out cell 25-78 s against 1-3 s on tcp). When the answer is known to be None (no torch
+    or CUDA stack imported, torch's version file readable and without CUDA) detection is told so
+    for the duration of the import; the meta package then picks its backend exactly as it does
+    after importing torch (first of nixl_cu13, nixl_cu12, nixl_rocm installed).
+    """
+    if "nixl" in sys.modules or any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy")):
+        import nixl  # noqa: F401
+        return
+    build = _torch_build()
+    if build is None or build[0] is not None:
+        import nixl  # noqa: F401 - torch absent (cheap) or a CUDA build (read off disk: cheap)
+        return
+    try:
+        import nixl_meta_utils  # type: ignore[import-untyped]
+    except ImportError:  # a nixl without the meta package (e.g. a source build): no detection
+        import nixl  # noqa: F401
+        return
+    with _AGENT_CTOR_LOCK:
+        detect = nixl_meta_utils.detect_cuda_major
+        nixl_meta_utils.detect_cuda_major = lambda: None
+        try:
+            import nixl  # noqa: F401
+        finally:
+            nixl_meta_utils.detect_cuda_major = detect
+
+
 def _import_nixl() -> tuple[Any, Any]:
     """``(nixl_agent, nixl_agent_config)``; PlaneUnavailable if nixl is missing or broken."""
     try:
+        _import_nixl_meta()
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise PlaneUnavailable(f"the nixl data plane needs nixl ({exc}); {INSTALL_HINT}") from exc

@@ -34,7 +34,7 @@ from ectransport.node.consumer_loop import ConsumerLoop
 from ectransport.node.driver import Observers, close_all, load_planes
 from ectransport.node.fetch_session import FetchSession
 from ectransport.node.results import Fetched, Held, Outcome, ProducerAddress
-from ectransport.protocol import MAX_INLINE_BYTES
+from ectransport.protocol import MAX_INLINE_BYTES, Ticket
 from ectransport.session import ConsumerConfig, Miss
 from ectransport.settings_schema import API
 from ectransport.store import BlockRegion, BlockStore
@@ -159,16 +159,21 @@ class ConsumerNode(ConsumerLoop):
 
     # -- public API ----------------------------------------------------------------------------
     def submit(self, producer: ProducerAddress, mm_hash: str, *,
-               timeout_s: float | None = None) -> Future[Any]:
+               timeout_s: float | None = None, ticket: Ticket | None = None) -> Future[Any]:
         """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss` by the deadline.
+
+        ``ticket``: the producer's announcement of ``mm_hash`` (:meth:`ProducerNode.announce`,
+        carried by the orchestrator): with an ECTP v2 producer whose offer of it this node holds,
+        the entry is read at once, with no request (ECTP v2 §10); otherwise it is ignored.
 
         The Future holds its result: a :class:`Fetched` keeps its landing blocks until both the
         result and the Future are dropped (pipelined callers should drop each Future once done).
         """
-        return self._submit(producer, mm_hash, timeout_s)
+        return self._submit(producer, mm_hash, timeout_s, ticket=ticket)
 
     def submit_many(self, producer: ProducerAddress, mm_hashes: Sequence[str], *,
-                    timeout_s: float | None = None) -> list[Future[Any]]:
+                    timeout_s: float | None = None,
+                    tickets: Sequence[Ticket | None] | None = None) -> list[Future[Any]]:
         """Start fetching several entries of one producer together (e.g. the images of one
         request); one Future per mm_hash, in order, each resolving to :class:`Fetched` or
         :class:`Miss` by the shared deadline, as :meth:`submit`'s.
@@ -177,22 +182,27 @@ class ConsumerNode(ConsumerLoop):
         entries), answered in as few ``AckBatch`` frames as their readiness allows, and their
         READs are posted together; small entries may come inline (``inline_max_bytes``). With a
         v1 producer they are fetched as separate requests. An mm_hash already in flight (or given
-        twice) joins that fetch.
+        twice) joins that fetch. ``tickets``: one per mm_hash (None where there is none), as
+        :meth:`submit`'s ``ticket``; entries with a usable offer are read at once.
+
+        Raises:
+            ValueError: ``tickets`` is not as long as ``mm_hashes``.
         """
-        return self._submit_many(producer, list(mm_hashes), timeout_s)
+        return self._submit_many(producer, list(mm_hashes), timeout_s, tickets)
 
     def fetch_many(self, producer: ProducerAddress, mm_hashes: Sequence[str], *,
-                   timeout_s: float | None = None) -> list[Outcome]:
+                   timeout_s: float | None = None,
+                   tickets: Sequence[Ticket | None] | None = None) -> list[Outcome]:
         """:meth:`submit_many`, blocking until every entry landed or missed (never past the
         deadline); the results are in the order of ``mm_hashes``. Like :meth:`fetch`, the calling
         thread drives the fetches itself when nothing else is in flight."""
-        return self._fetch_many(producer, list(mm_hashes), timeout_s)
+        return self._fetch_many(producer, list(mm_hashes), timeout_s, tickets)
 
     def submit_held(self, producer: ProducerAddress, mm_hash: str, *,
-                    timeout_s: float | None = None) -> Future[Any]:
+                    timeout_s: float | None = None, ticket: Ticket | None = None) -> Future[Any]:
         """Like :meth:`submit`, but the Future resolves to :class:`Held` (or :class:`Miss`): the
         landed bytes stay in this node's region, pinned, until :meth:`release_held`."""
-        return self._submit(producer, mm_hash, timeout_s, held=True)
+        return self._submit(producer, mm_hash, timeout_s, held=True, ticket=ticket)
 
     def release_held(self, held: Held) -> None:
         """Give back the blocks of a :class:`Held` (any thread; once per Held)."""
@@ -215,14 +225,15 @@ class ConsumerNode(ConsumerLoop):
         return self._connect(producer, timeout_s)
 
     def fetch(self, producer: ProducerAddress, mm_hash: str, *,
-              timeout_s: float | None = None) -> Outcome:
+              timeout_s: float | None = None, ticket: Ticket | None = None) -> Outcome:
         """Fetch one entry, blocking until it landed or missed (never past the deadline).
 
         When nothing else is in flight, the calling thread drives the fetch itself (see the
         module docstring); otherwise the fetch joins the I/O thread's work like :meth:`submit`.
-        Either way the result is the same :class:`Fetched` or :class:`Miss`.
+        Either way the result is the same :class:`Fetched` or :class:`Miss`. ``ticket``: as
+        :meth:`submit`'s.
         """
-        return self._fetch(producer, mm_hash, timeout_s)
+        return self._fetch(producer, mm_hash, timeout_s, ticket=ticket)
 
     def plane_transports(self) -> dict[str, str]:
         return self.driver.plane_transports()
@@ -252,7 +263,8 @@ class ConsumerNode(ConsumerLoop):
         """Gauges of this consumer (any thread), one consistent copy: ``producers`` (sessions),
         ``in_flight`` fetches, ``quarantined_peers`` (producers in their backoff now),
         ``quarantined_transfers`` (timed-out reads whose landing blocks are held until the DMA
-        can no longer land), ``free_blocks`` of the landing region."""
+        can no longer land), ``free_blocks`` of the landing region, ``offer_reads`` (fetches
+        read on a producer's offer, with no request: ECTP v2 §10) and ``offers_held``."""
         return self._stats()
 
     def snapshot(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from ectransport.node.inbox import (
     StartFetch,
 )
 from ectransport.node.results import ProducerAddress
-from ectransport.protocol import FrameError, Status, Welcome, decode
+from ectransport.protocol import FrameError, Status, Ticket, Welcome, decode
 from ectransport.session import (
     ConsumerConfig,
     ConsumerSession,
@@ -145,7 +145,7 @@ class ConsumerDriver(ConsumerExecutor):
 
     def gauges(self) -> dict[str, int]:
         """``producers``, ``in_flight``, ``quarantined_peers``, ``quarantined_transfers``,
-        ``free_blocks`` (see :meth:`ConsumerNode.stats`), consistent: lock held."""
+        ``free_blocks``, ``offer_reads``, ``offers_held`` (see :meth:`ConsumerNode.stats`), consistent: lock held."""
         now = self.clock()
         sessions = list(self.sessions.values())
         states = [st for s in sessions for st in s.fetch_states().values()]
@@ -153,23 +153,27 @@ class ConsumerDriver(ConsumerExecutor):
                 "in_flight": sum(st is not FetchState.QUARANTINED for st in states),
                 "quarantined_peers": sum(now < s.blocked_until for s in sessions),
                 "quarantined_transfers": sum(st is FetchState.QUARANTINED for st in states),
-                "free_blocks": self.store.free_blocks}
+                "free_blocks": self.store.free_blocks,
+                "offer_reads": sum(getattr(s, "offer_reads", 0) for s in sessions),
+                "offers_held": sum(getattr(s, "offers_held", 0) for s in sessions)}
 
     # -- driving (lock held) -------------------------------------------------------------------
     def step(self, now: float | None = None, *, wait_s: float | None = 0.0) -> None:
         """One round: poll the control client (``wait_s`` seconds; None: until the next session
-        deadline, or not at all while a transfer is in flight), then the inbox, the control
-        events, the in-flight transfers and the session timers. ``now`` defaults to the clock
-        after the poll (pass it only with ``wait_s=0``)."""
+        deadline, or not at all while a transfer is in flight), then the control events, the
+        inbox, the in-flight transfers and the session timers. ``now`` defaults to the clock
+        after the poll (pass it only with ``wait_s=0``). Events come before the inbox: an
+        ``Offer`` received while the node was idle must be known when a fetch with its ticket
+        starts (ECTP v2 §10)."""
         if wait_s is None:
             wait_s = 0.0 if self.busy() else self.idle_timeout()
         events = self.control.poll(wait_s)
         if now is None:
             now = self.clock()
-        while self.inbox:
-            self._take(self.inbox.popleft(), now)
         for ev in events:
             self._on_event(ev, now)
+        while self.inbox:
+            self._take(self.inbox.popleft(), now)
         for s in list(self.sessions.values()):
             plane = self.planes.get(s.plane) if s.plane else None
             if plane is not None:
@@ -278,7 +282,15 @@ class ConsumerDriver(ConsumerExecutor):
             self._refused[s.conn] = NoCommonPlane
 
     # -- fetches and connects ------------------------------------------------------------------
+    def _catch_up(self, now: float) -> None:
+        """Handle the control events already received (no wait): a fetch with a ticket started
+        by a caller between steps must see the offers that arrived while the node was idle."""
+        for ev in self.control.poll(0.0):
+            self._on_event(ev, now)
+
     def _start(self, item: StartFetch, now: float) -> None:
+        if item.ticket is not None:
+            self._catch_up(now)
         producer, mm_hash = item.producer, item.mm_hash
         key = (producer.key, mm_hash)
         waiters = self._waiters.setdefault(key, [])
@@ -295,6 +307,9 @@ class ConsumerDriver(ConsumerExecutor):
             return
         if item.nbytes is not None and isinstance(s, SizedFetch):
             self.execute(s, s.fetch_sized(mm_hash, item.nbytes, now, item.deadline), now)
+        elif item.ticket is not None and isinstance(s, BatchFetch):
+            self.execute(s, s.fetch_many([mm_hash], now, item.deadline,
+                                         tickets={mm_hash: item.ticket}), now)
         else:
             self.execute(s, s.fetch(mm_hash, now, item.deadline), now)
 
@@ -312,7 +327,10 @@ class ConsumerDriver(ConsumerExecutor):
         """Join the fetches already in flight; start the others together: in one
         :meth:`BatchFetch.fetch_many` (one ReqBatch on ECTP v2), else one by one."""
         producer = item.producer
+        if any(it.ticket is not None for it in item.items):
+            self._catch_up(now)
         new: list[str] = []
+        tickets: dict[str, Ticket] = {}
         for it in item.items:
             key = (producer.key, it.mm_hash)
             waiters = self._waiters.setdefault(key, [])
@@ -320,6 +338,8 @@ class ConsumerDriver(ConsumerExecutor):
             if len(waiters) == 1:
                 self._started[key] = now
                 new.append(it.mm_hash)
+                if it.ticket is not None:
+                    tickets[it.mm_hash] = it.ticket
         if not new:
             return
         try:
@@ -331,7 +351,7 @@ class ConsumerDriver(ConsumerExecutor):
                 self._resolve(producer.key, miss)
             return
         if isinstance(s, BatchFetch):
-            self.execute(s, s.fetch_many(new, now, item.deadline), now)
+            self.execute(s, s.fetch_many(new, now, item.deadline, tickets=tickets or None), now)
         else:
             for mm_hash in new:
                 self.execute(s, s.fetch(mm_hash, now, item.deadline), now)

@@ -19,6 +19,8 @@ import ctypes
 import logging
 import weakref
 from collections.abc import Callable
+from concurrent.futures import InvalidStateError
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +29,7 @@ from ectransport.data.base import identity_of
 from ectransport.node.common import Layout
 from ectransport.node.driver import Driver
 from ectransport.node.fetch_session import FetchSession
-from ectransport.node.inbox import StartFetch
+from ectransport.node.inbox import Connect, StartFetch
 from ectransport.node.results import Fetched, Held, Outcome, ProducerAddress, fetch_event
 from ectransport.session import (
     Bind,
@@ -58,6 +60,15 @@ class ConsumerExecutor(Driver[ControlClient]):
     _producers: dict[str, ProducerAddress]
     _waiters: dict[tuple[str, str], list[StartFetch]]
     _started: dict[tuple[str, str], float]
+    _connecting: dict[str, list[Connect]]
+    #: control frames held back until the outermost :meth:`execute` returns (None: none open)
+    _sends: list[tuple[str, bytes]] | None = None
+
+    def fetches_waiting(self) -> bool:
+        """Whether a fetch or a connect waits for its outcome. Any thread, lock or not: without
+        the lock a hint only (CPython reads a dict's size atomically), for the threading policy
+        of :class:`~ectransport.node.consumer_loop.ConsumerLoop`."""
+        return bool(self._waiters or self._connecting)
 
     def release_later(self, local_key: str, entry_id: int) -> None:
         """Finalizer of a zero-copy buffer (any thread): see
@@ -65,13 +76,42 @@ class ConsumerExecutor(Driver[ControlClient]):
         raise NotImplementedError
 
     def execute(self, s: FetchSession, cmds: list[Command], now: float) -> None:
-        """Carry out a session's commands, feeding back what the planes answer."""
-        for c in cmds:
+        """Carry out a session's commands, feeding back what the planes answer.
+
+        ``Send`` commands leave in their order, but only once the outermost call returns: the
+        XferDones of an ``AckBatch`` follow all of its READs and outcomes instead of one after
+        each READ. A send wakes ZeroMQ's I/O thread and, behind it, the producer (which unpins and
+        revokes), competing for the cores on which the next READ copies (NIXL over UCX ``cma``
+        copies on the posting thread); a burst wakes them about once. A frame only ever leaves
+        later than its command, never before an earlier one: an XferDone still follows its
+        READ's completion and release, and a retry the XferDone that freed its budget."""
+        outer = self._sends is None
+        if outer:
+            self._sends = []
+        try:
+            self._execute(s, cmds, now)
+        finally:
+            if outer:
+                sends, self._sends = self._sends, None
+                for peer, data in sends or ():
+                    self.control.send(peer, data)
+
+    def _execute(self, s: FetchSession, cmds: list[Command], now: float) -> None:
+        sends = self._sends
+        assert sends is not None  # inside execute()
+        i = 0
+        while i < len(cmds):
+            c = cmds[i]
+            i += 1
             match c:
                 case Send(peer=peer, data=data):
-                    self.control.send(peer, data)
-                case PostRead():
-                    self._post_read(s, c, now)
+                    sends.append((peer, data))
+                case PostRead():  # with the PostReads right after it (one AckBatch's READs)
+                    reads = [c]
+                    while i < len(cmds) and isinstance(cmds[i], PostRead):
+                        reads.append(cmds[i])  # type: ignore[arg-type]
+                        i += 1
+                    self._post_reads(s, reads, now)
                 case Land(runs=runs, data=data):  # an inline entry (ECTP v2): its Report follows
                     self.region.write(runs, np.frombuffer(data, dtype=np.uint8))
                 case Bind():
@@ -84,21 +124,43 @@ class ConsumerExecutor(Driver[ControlClient]):
                 case _:
                     log.warning("consumer session returned an unexpected command %r", c)
 
-    def _post_read(self, s: FetchSession, c: PostRead, now: float) -> None:
+    def _post_reads(self, s: FetchSession, reads: list[PostRead], now: float) -> None:
+        """Post READs back to back, then tell the session about each, in order: posted (or
+        failed to post), and its state if it is no longer in progress (UCX may have copied
+        inside ``start()``: NIXL over ``cma`` does).
+
+        Posting them all first keeps the per-entry bookkeeping out from between the copies (a
+        1 MiB copy leaves the CPU caches cold for the Python that follows it). The session sees
+        the same events in the same order as when each READ is handled before the next is
+        posted; the only other events it sees meanwhile are those of the READs posted with it,
+        and it treats a fetch as reading from the moment it returned the PostRead, so a READ
+        posted but not yet reported is never given up on without its blocks being kept."""
         assert s.plane is not None  # reads are posted on the negotiated plane only
         plane = self.planes[s.plane]
-        try:
-            handle = plane.start(c.prepared, c.plane_grant, c.runs, c.nbytes, c.notif)
-        except Exception as e:
-            log.warning("posting transfer of %s failed: %s", c.key[:12], e)
-            self.execute(s, s.on_read_failed(c.key, str(e), now), now)
-            return
-        self.execute(s, s.on_read_posted(c.key, handle, now), now)
-        state = plane.check(handle)  # UCX may have copied inside start() already
-        if state.value != "proc":
-            t = self.clock()
-            why = plane.error_detail(handle) if state.value == "err" else ""
-            self.execute(s, s.on_read_state(c.key, state.value, t, why), t)
+        posted: list[tuple[PostRead, Any]] = []  # (read, its handle or why it was not posted)
+        for c in reads:
+            try:
+                posted.append((c, plane.start(c.prepared, c.plane_grant, c.runs, c.nbytes,
+                                              c.notif)))
+            except Exception as e:
+                log.warning("posting transfer of %s failed: %s", c.key[:12], e)
+                posted.append((c, e))
+        for k, (c, handle) in enumerate(posted):
+            try:
+                if isinstance(handle, Exception):
+                    self.execute(s, s.on_read_failed(c.key, str(handle), now), now)
+                    continue
+                self.execute(s, s.on_read_posted(c.key, handle, now), now)
+                state = plane.check(handle).value
+                if state != "proc":
+                    t = self.clock()  # observed after the check: the validity window's clock
+                    why = plane.error_detail(handle) if state == "err" else ""
+                    self.execute(s, s.on_read_state(c.key, state, t, why), t)
+            except BaseException:  # the READs not handed over yet are released, not leaked
+                for _, h in posted[k + 1:]:
+                    if not isinstance(h, Exception):
+                        plane.release(h)
+                raise
 
     def _bind(self, s: FetchSession, c: Bind, now: float) -> None:
         """Have the negotiated plane validate the producer's declared endpoint (tied to the CURVE
@@ -189,8 +251,10 @@ class ConsumerExecutor(Driver[ControlClient]):
 
     def _resolve(self, conn: str, result: Outcome) -> None:
         for w in self._waiters.pop((conn, result.mm_hash), []):
-            if not w.future.done():
+            try:  # one lock round per future, not two (done() then set_result())
                 w.future.set_result(result)
+            except InvalidStateError:  # cancelled by its caller
+                pass
 
     def _observe_outcome(self, conn: str, session_id: str, outcome: Landed | Miss,
                          now: float) -> None:

@@ -9,8 +9,10 @@ Every method takes ``now`` (the driver's clock) and returns commands
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from ectransport.protocol import Ticket
 from ectransport.session import Command, FetchState, Miss
 
 
@@ -75,5 +77,5 @@ class BatchFetch(Protocol):
     driver starts :meth:`ConsumerNode.submit_many`'s fetches with it, and one by one on a session
     without it."""
 
-    def fetch_many(self, mm_hashes: list[str], now: float,
-                   deadline: float) -> list[Command]: ...
+    def fetch_many(self, mm_hashes: list[str], now: float, deadline: float, *,
+                   tickets: Mapping[str, Ticket] | None = None) -> list[Command]: ...

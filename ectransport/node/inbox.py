@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ectransport.node.results import ProducerAddress
+from ectransport.protocol import Ticket
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +27,7 @@ class StartFetch:
     future: Future[Any]
     held: bool = False
     nbytes: int | None = None
+    ticket: Ticket | None = None  # the producer's announcement (ECTP v2 §10)
 
 
 @dataclass(frozen=True, eq=False)

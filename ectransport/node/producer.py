@@ -28,6 +28,7 @@ from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
 from ectransport.node.driver import Observers, close_all, load_planes
 from ectransport.node.producer_driver import ProducerDriver, ServingSession
+from ectransport.protocol import Ticket
 from ectransport.session import ProducerConfig, ProducerSession
 from ectransport.settings_schema import API
 from ectransport.store import AllocFailed, BlockRegion, BlockStore, Entry
@@ -79,6 +80,8 @@ class ProducerNode:
             :class:`ProducerConfig` (the last two apply to ECTP v2 sessions: how long a batched
             request for a reserved entry waits for :meth:`commit`, and up to which size an entry
             travels inline in the answer).
+        hold_s / hold_share: how long an announced entry is held and offered, and the share of
+            the region holds may pin (ECTP v2 §10; :meth:`announce`).
         node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
         versions: ECTP versions spoken (override only to emulate older/newer nodes).
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
@@ -116,6 +119,8 @@ class ProducerNode:
         budget_bytes: int | None = API.producer.budget_bytes,
         grace_s: float = API.producer.grace_s,
         max_wait_s: float = API.producer.max_wait_s,
+        hold_s: float = API.producer.hold_s,
+        hold_share: float = API.producer.hold_share,
         inline_max_bytes: int = API.producer.inline_max_bytes,
         node_id: str | None = API.node.node_id,
         versions: tuple[int, ...] = API.node.versions,
@@ -158,6 +163,7 @@ class ProducerNode:
                            planes=tuple(planes),
                            lease_s=lease_s, budget_bytes=budget_bytes, grace_s=grace_s,
                            max_wait_s=max_wait_s, inline_max_bytes=inline_max_bytes,
+                           hold_s=hold_s, hold_share=hold_share,
                            versions=tuple(versions)))
         self.driver = ProducerDriver(self.session, built, self._planes, self.region,
                                      own_region=own_region, observers=self._observers)
@@ -189,6 +195,8 @@ class ProducerNode:
                                endpoint=lambda name: planes[name].endpoint(),
                                revocable=lambda name: planes[name].capabilities.transfer_model
                                is TransferModel.PUSH,
+                               offerable=lambda name: planes[name].capabilities.transfer_model
+                               is TransferModel.READ,
                                max_bytes=lambda name: planes[name].capabilities.max_transfer_bytes)
 
     # -- public API ----------------------------------------------------------------------------
@@ -310,6 +318,28 @@ class ProducerNode:
             self.driver.entry_changed(mm_hash)
             return True
 
+    def announce(self, mm_hash: str) -> Ticket | None:
+        """Announce ``mm_hash`` to consumers (ECTP v2 §10): hold the entry for ``hold_s`` and
+        offer it to every consumer session that takes offers, so that a consumer given the
+        returned ticket reads it with no request. Call it where the entry's location is handed
+        to the orchestrator (vLLM: ``request_finished``); again to renew the hold.
+
+        Returns:
+            The :class:`~ectransport.protocol.Ticket` to pass along with this node's address
+            (``hold_id`` 0 when no hold could be taken: holds' share of the region reached, no
+            plane consumers read one-sidedly, or a session of the ECTP v1 profile; consumers
+            then fetch with a request), or None if the entry is not in the cache. An entry
+            still being saved keeps a pending hold, taken when it is committed.
+        """
+        announce = getattr(self.session, "announce", None)
+        with self._lock:
+            if announce is None:
+                return (Ticket(producer=self.node_id, hold_id=0, mm_hash=mm_hash)
+                        if mm_hash in self.store else None)
+            ticket, cmds = announce(mm_hash, self.driver.clock())
+        self.driver.defer(cmds)
+        return ticket
+
     def lookup(self, mm_hash: str) -> Entry | None:
         """A snapshot of the entry for ``mm_hash`` (ready or not), or None."""
         with self._lock:
@@ -341,7 +371,10 @@ class ProducerNode:
             self._allow.reload()
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges of the serving session and the store (any thread)."""
+        """Counters and gauges of the serving session and the store (any thread); ECTP v2
+        §10's: ``holds`` taken, ``hold_refused`` (cap or plane), ``hold_expired``, ``hold_reads``
+        (served reads reported by XferDone), ``offers`` (items sent), ``syncs``,
+        ``active_holds`` and ``held_bytes`` (grace pins included)."""
         with self._lock:
             return self._stats_locked()
 
@@ -349,7 +382,9 @@ class ProducerNode:
         return {**self.session.stats, "active_grants": self.session.active_grants,
                 "pinned_bytes": self.session.pinned_bytes(), "entries": len(self.store),
                 "free_blocks": self.store.free_blocks,
-                "waiting_items": int(getattr(self.session, "waiting_items", 0))}
+                "waiting_items": int(getattr(self.session, "waiting_items", 0)),
+                "active_holds": int(getattr(self.session, "active_holds", 0)),
+                "held_bytes": int(getattr(self.session, "held_bytes", lambda: 0)())}
 
     def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
         """Also tell ``observer`` what happens (see the ``observer`` argument)."""

@@ -98,6 +98,16 @@ class ProducerDriver(Driver[ControlServer]):
         #: mm_hashes whose entries changed while requests waited for them (any thread appends,
         #: the stepping thread drains)
         self._changed: deque[str] = deque()
+        #: commands a caller thread produced (e.g. the offers of an announcement), performed by
+        #: the stepping thread at its next step
+        self._deferred: deque[Command] = deque()
+
+    def defer(self, cmds: list[Command]) -> None:
+        """Have the stepping thread perform ``cmds`` at its next step (any thread; a step waiting
+        for control events returns at once). ZeroMQ sockets are used by one thread only."""
+        if cmds:
+            self._deferred.extend(cmds)
+            self.control.wake()
 
     def entry_changed(self, mm_hash: str) -> None:
         """The entry ``mm_hash`` became ready or went away (call with :attr:`lock` held, from
@@ -119,6 +129,8 @@ class ProducerDriver(Driver[ControlServer]):
             wait_s = min(wait_s, max(0.0, due - self.clock()))
         events = self.control.poll(wait_s)
         cmds: list[Command] = []
+        while self._deferred:
+            cmds.append(self._deferred.popleft())
         with self.lock:
             t = self.clock() if now is None else now
             for ev in events:

@@ -3,6 +3,7 @@
 from ectransport.protocol.codec import MAX_FRAME_BYTES, FrameError, decode, encode
 from ectransport.protocol.compat import LAYOUT_ROW, compat_hash, element_size
 from ectransport.protocol.messages import (
+    FEATURE_OFFERS,
     KINDS,
     MAX_BATCH_ITEMS,
     MAX_INLINE_BYTES,
@@ -17,10 +18,14 @@ from ectransport.protocol.messages import (
     Hello,
     Message,
     Nack,
+    Offer,
+    OfferItem,
     Parked,
     Renew,
     ReqBatch,
     ReqItem,
+    Sync,
+    Ticket,
     Welcome,
     XferAck,
     XferDone,
@@ -29,7 +34,7 @@ from ectransport.protocol.messages import (
 from ectransport.protocol.status import RETRYABLE, Status
 
 __all__ = [
-    "KINDS", "LAYOUT_ROW", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
+    "FEATURE_OFFERS", "KINDS", "LAYOUT_ROW", "Offer", "OfferItem", "Sync", "Ticket", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
     "PROTOCOL_MAJOR", "RETRYABLE", "SINCE", "SUPPORTED_VERSIONS", "AckBatch", "AckItem",
     "AnyMessage", "ReqBatch", "ReqItem", "FrameError", "Grant", "Hello", "Message", "Nack", "Parked", "Renew", "Status", "Welcome",
     "XferAck", "XferDone", "XferReq", "compat_hash", "decode", "element_size", "encode",

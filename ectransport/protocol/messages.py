@@ -1,5 +1,7 @@
 """ECTP wire messages (msgspec Structs, msgpack maps, tagged by ``"k"``): v1's, and the frames
-of v2 (``ReqBatch`` / ``AckBatch`` / ``Parked``, refused below v2: :data:`SINCE`).
+of v2 (``ReqBatch`` / ``AckBatch`` / ``Parked`` / ``Sync`` / ``Offer``, refused below v2:
+:data:`SINCE`), and the :class:`Ticket` a producer's announcement carries through the
+orchestrator.
 
 Rules (see ``protocols/ectp-v1.md`` and, for what v2 adds, ``protocols/ectp-v2.md``):
 
@@ -47,6 +49,8 @@ PlaneName = Annotated[str, msgspec.Meta(max_length=64)]
 Version = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 GrantId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+Feature = Annotated[str, msgspec.Meta(max_length=32)]
+MAX_FEATURES = 16
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="k"):
@@ -79,6 +83,9 @@ class Hello(Message, frozen=True, tag="hello", omit_defaults=True):
         dict[PlaneName, Annotated[bytes, msgspec.Meta(max_length=MAX_LOCALITY_BYTES)]],
         msgspec.Meta(max_length=MAX_LIST_LEN),
     ] = {}
+    #: optional features the consumer asks for (ECTP v2 §10: ``"offers"``); omitted when empty,
+    #: ignored by nodes that do not know them
+    features: Annotated[list[Feature], msgspec.Meta(max_length=MAX_FEATURES)] = []
 
 
 class Welcome(Message, frozen=True, tag="welcome", omit_defaults=True):
@@ -105,6 +112,9 @@ class Welcome(Message, frozen=True, tag="welcome", omit_defaults=True):
     compat_hash: CompatHash
     detail: Detail
     endpoint: Annotated[bytes, msgspec.Meta(max_length=MAX_ENDPOINT_BYTES)] = b""
+    #: the features of ``Hello.features`` this producer grants the session (ECTP v2 §10);
+    #: omitted when empty
+    features: Annotated[list[Feature], msgspec.Meta(max_length=MAX_FEATURES)] = []
 
 
 class XferReq(Message, frozen=True, tag="req"):
@@ -258,15 +268,70 @@ class Parked(Message, frozen=True, tag="park"):
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 
 
+#: ``Hello.features`` / ``Welcome.features``: pushed offers of announced entries (ECTP v2 §10).
+FEATURE_OFFERS = "offers"
+#: Longest validity an ``Offer`` item may claim, seconds (as the longest lease a consumer takes).
+MAX_OFFER_VALID_S = 86400.0
+
+
+class Sync(Message, frozen=True, tag="sync"):
+    """v2. Consumer → producer, on a session granted ``"offers"``: ``t`` is the consumer's clock
+    (seconds, its monotonic clock) when it sent this frame. The producer keeps the newest one as
+    the session's *anchor*: every ``Offer`` states its validity from the anchor, so the consumer
+    measures it on its own clock from a moment that precedes the offer (ECTP v2 §10.3). Sent
+    after the session is bound and then periodically (clock drift)."""
+
+    session_id: SessionId
+    t: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+
+
+class OfferItem(msgspec.Struct, frozen=True):
+    """One announced entry the producer holds: ``grant`` as in an OK ``XferAck`` (its
+    ``grant_id`` is the hold id a :class:`Ticket` names; ``lease_s`` the hold's length), and
+    ``valid_s``: how long after the producer received the anchoring ``Sync`` the hold surely
+    lasts, seconds."""
+
+    mm_hash: MmHash
+    grant: Grant
+    valid_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_OFFER_VALID_S)]
+
+
+class Offer(Message, frozen=True, tag="offer"):
+    """v2. Producer → consumer, on a session granted ``"offers"``: entries announced and held,
+    readable with no request (ECTP v2 §10). ``anchor`` is the ``t`` of a ``Sync`` of this session;
+    an item is usable until ``anchor + valid_s`` (minus the consumer's margin) on the
+    consumer's clock. Sent when an entry is announced, and for every live hold when the
+    session's first ``Sync`` arrives."""
+
+    session_id: SessionId
+    anchor: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+    items: Annotated[list[OfferItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
+class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a producer's announcement of ``mm_hash`` carries through the orchestrator (e.g. in
+    vLLM's ``ec_transfer_params``) besides the producer's address: the producer's node id and
+    the id of the hold it took (``hold_id`` 0: no hold — fetched the v1 way).
+
+    It is a reference, not a capability: the descriptors and the NIXL metadata needed to read
+    the entry travel only in ``Offer`` frames over the producer's authenticated session, so a
+    ticket is useless without that session, and a forged or copied one can only name a hold of
+    the same producer for the same mm_hash (any other is fetched the v1 way) (ECTP v2 §10.1)."""
+
+    producer: NodeId
+    hold_id: GrantId
+    mm_hash: MmHash
+
+
 AnyMessage = (Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack | ReqBatch | AckBatch
-              | Parked)
+              | Parked | Sync | Offer)
 
 #: tag → class, for the first decoding phase and for docs/tests.
 KINDS: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack, ReqBatch, AckBatch,
-                Parked)
+                Parked, Sync, Offer)
 }
 #: tag → the protocol version that introduced it; a frame of that kind with an older ``v`` is
 #: refused (NACK_VERSION), so a v1 session never sees v2 frames, whatever ``v`` they claim.
-SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2}
+SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2, "sync": 2, "offer": 2}

@@ -37,7 +37,8 @@ re-sends ``Hello`` as a probe; a ``Welcome`` lifts the quarantine and resets the
 **ECTP v2** (negotiated in Hello; a v1 session behaves exactly as above): every request is a
 ``ReqBatch``, answered item by item in ``AckBatch`` and ``Parked`` frames; those frames, inline
 entries and the answer handling v1 shares are in :mod:`.consumer_batches` (its docstring has the
-rules).
+rules). A fetch given the producer's ticket of an entry whose offer this session holds is read at
+once, with no request (``Sync``/``Offer``, ECTP v2 §10): :mod:`.consumer_offers`.
 
 Local blocks are allocated from the consumer's :class:`BlockStore` once the ack tells the size,
 under the key ``<mm_hash>#<n>`` (a landing zone, not a cache: several landed copies of one
@@ -47,15 +48,18 @@ mm_hash may coexist); they become READY on DONE and belong to the caller from th
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from ectransport.protocol import (
     AckBatch,
     FrameError,
     Nack,
+    Offer,
     Parked,
     Renew,
     Status,
+    Ticket,
     Welcome,
     XferAck,
     decode,
@@ -72,7 +76,7 @@ from ectransport.session.commands import (
     Report,
     Send,
 )
-from ectransport.session.consumer_batches import ConsumerBatches
+from ectransport.session.consumer_offers import ConsumerOffers
 from ectransport.session.fetch import (
     MAX_LATE_GRANTS,
     MAX_LEASE_S,
@@ -92,7 +96,7 @@ __all__ = [
 ]
 
 
-class ConsumerSession(ConsumerBatches):
+class ConsumerSession(ConsumerOffers):
     """Fetches from one producer connection (see the module docstring; ECTP v2: the docstring of
     :mod:`ectransport.session.consumer_batches`).
 
@@ -115,20 +119,25 @@ class ConsumerSession(ConsumerBatches):
         return [] if self.link is Link.FAILED else self._hello(now)
 
     def fetch(self, mm_hash: str, now: float, deadline: float, *,
-              nbytes: int | None = None) -> list[Command]:
+              nbytes: int | None = None, ticket: Ticket | None = None) -> list[Command]:
         """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest.
 
         ``nbytes``: the entry's size in bytes when the caller knows it (an inline answer of
-        another size is refused); None when it does not."""
-        return self.fetch_many([mm_hash], now, deadline, nbytes=nbytes)
+        another size is refused); None when it does not. ``ticket``: the producer's announcement
+        of it (ECTP v2 §10): read at once if this session holds the offer it names."""
+        return self.fetch_many([mm_hash], now, deadline, nbytes=nbytes,
+                               tickets={mm_hash: ticket} if ticket is not None else None)
 
     def fetch_many(self, mm_hashes: list[str], now: float, deadline: float, *,
-                   nbytes: int | None = None) -> list[Command]:
+                   nbytes: int | None = None,
+                   tickets: Mapping[str, Ticket] | None = None) -> list[Command]:
         """Start fetching each of ``mm_hashes`` (e.g. the images of one request); every one is
         reported by ``deadline`` at the latest, each on its own. On a v2 session they are asked
         for in one ``ReqBatch`` (per 64) and their READs posted together; on v1, one XferReq
         each. An mm_hash already in flight, given twice or malformed misses at once (INTERNAL);
-        a failed or quarantined session makes every one miss at once."""
+        a failed or quarantined session makes every one miss at once. ``tickets`` (mm_hash →
+        :class:`~ectransport.protocol.Ticket`): those whose offer this session holds are read at
+        once, with no request (:mod:`.consumer_offers`)."""
         cmds: list[Command] = []
         new: list[Fetch] = []
         for mm_hash in mm_hashes:
@@ -144,7 +153,11 @@ class ConsumerSession(ConsumerBatches):
             self._fetches[mm_hash] = f
             new.append(f)
         if new and self.link is Link.READY:  # else they wait: sent once READY (again)
-            cmds += self._send_reqs(new, now)
+            if tickets:
+                new, offered = self._take_offers(new, tickets, now)
+                cmds += offered
+            if new:
+                cmds += self._send_reqs(new, now)
         return cmds
 
     def _refusal(self, mm_hash: str, now: float) -> Miss | None:
@@ -189,6 +202,7 @@ class ConsumerSession(ConsumerBatches):
         why = "producer went away" if was_connected else "producer unreachable (no connection)"
         self.version = None
         self._welcome = None
+        self._stop_offers()
         self._batches.clear()  # their answers can no longer come: every waiting fetch ended
         self._hello_deadline = float(
             "inf"
@@ -212,6 +226,8 @@ class ConsumerSession(ConsumerBatches):
                 return self._on_acks(msg, now)
             case Parked():
                 return self._on_parked(msg, now)
+            case Offer():
+                return self._on_offer(msg, now)
             case Nack():
                 log.warning(
                     "producer %s NACKed a frame: %s %s", self.conn, msg.status.name, msg.detail
@@ -309,6 +325,8 @@ class ConsumerSession(ConsumerBatches):
                 cmds += self._settle(q)
         if self._batches:
             self._prune_batches()
+        if self._offers or self.offers_on:
+            cmds += self._poll_offers(now)
         return cmds
 
     def close(self) -> list[Command]:
@@ -363,7 +381,8 @@ class ConsumerSession(ConsumerBatches):
         self._hello_deadline = float("inf")
         self._backoff = self.config.peer_backoff_s
         queued = [f for f in self._fetches.values() if f.state is FetchState.QUEUED]
-        return self._send_reqs(queued, now) if queued else []
+        cmds = self._start_offers(msg.features, now)
+        return cmds + self._send_reqs(queued, now) if queued else cmds
 
     def on_bind_failed(self, detail: str, now: float) -> list[Command]:
         """The node's plane refused the Welcome's endpoint (malformed, or naming what this

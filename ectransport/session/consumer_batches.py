@@ -215,6 +215,12 @@ class ConsumerBatches(ConsumerState):
                 f.mm_hash, MissReason.TIMEOUT,
                 f"grant handled {late:.3f} s after its validity window (lease {g.lease_s} s from "
                 f"the request); not used"))]
+        return self._use_grant(f, g, window_end, now)
+
+    def _use_grant(self, f: Fetch, g: Grant, window_end: float, now: float) -> list[Command]:
+        """Read the usable grant ``g`` for ``f`` (WAITING_ACK) until ``window_end`` (consumer
+        clock): allocate its landing blocks and post the READ (an answered request, or an offer:
+        :mod:`ectransport.session.consumer_offers`)."""
         f.grant_id, f.lease_s, f.valid_until = g.grant_id, g.lease_s, window_end
         self._seq += 1
         # landing keys are unique per consumer node: the session id is (UUID4), the sequence

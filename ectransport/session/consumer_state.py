@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ectransport.protocol import (
+    FEATURE_OFFERS,
     MAX_BATCH_ITEMS,
     MAX_INLINE_BYTES,
     MAX_WAIT_S,
@@ -101,6 +102,9 @@ class ConsumerState:
         #: rules)
         self.ignored: collections.Counter[str] = collections.Counter()
         self.observer = observer
+        # ECTP v2 §10 offers (:mod:`ectransport.session.consumer_offers`)
+        self.offers_on = False  # the Welcome granted offers on this connection
+        self._next_sync = float("inf")
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -146,6 +150,8 @@ class ConsumerState:
             ds.append(self._hello_deadline)
         if any(f.state is FetchState.READING for f in self._fetches.values()):
             ds.append(self._next_renew)
+        if self._next_sync != float("inf"):
+            ds.append(self._next_sync)
         return min(ds) if ds else None
 
 
@@ -165,8 +171,13 @@ class ConsumerState:
             compat_hash=self.config.compat_hash,
             mem_kinds=list(self.config.mem_kinds),
             localities=dict(self.config.localities),
+            features=self._wants_offers(),
         )
         return [Send(self.conn, encode(hello))]
+
+    def _wants_offers(self) -> list[str]:
+        """``Hello.features``: offers (ECTP v2 §10) when configured and v2 is spoken."""
+        return [FEATURE_OFFERS] if self.config.offers and max(self.config.versions) >= 2 else []
 
     def _penalize(self, now: float, why: str) -> None:
         self.blocked_until = now + self._backoff
@@ -368,6 +379,7 @@ class ConsumerState:
                 cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
         self._welcome = None
         self._batches.clear()
+        self.offers_on, self._next_sync = False, float("inf")
         self._go("fail")
         return cmds
 

@@ -96,6 +96,9 @@ class ConsumerConfig:
         wait_margin_s: ECTP v2: a ``ReqBatch`` asks the producer to wait for entries not yet
             ready for the fetch's remaining time minus this margin (at most a quarter of the
             remaining time), so that a NACK_NOT_READY still arrives before the deadline [0.25 s].
+        offers: ECTP v2 §10: ask the producer for offers of the entries it announces, so that a
+            fetch given their ticket reads with no request
+            (:mod:`ectransport.session.consumer_offers`) [True].
     """
 
     node_id: str
@@ -116,6 +119,7 @@ class ConsumerConfig:
     mem_kinds: tuple[str, ...] = ("DRAM",)
     inline_max_bytes: int = API.consumer.inline_max_bytes
     wait_margin_s: float = 0.25
+    offers: bool = True
 
 
 @dataclass

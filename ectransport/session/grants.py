@@ -42,6 +42,9 @@ class ProducerConfig:
         inline_max_bytes: ECTP v2: an OK entry of at most this many bytes (and at most the
             batch's ``inline_max``) is answered with its bytes inline, without a grant [64 KiB:
             below it, one control frame is faster than grant + READ + XferDone].
+        hold_s: ECTP v2: how long an announced entry is held and offered [10 s; see
+            :mod:`ectransport.session.holds`].
+        hold_share: ECTP v2: the fraction of the region holds may pin [0.25].
     """
 
     node_id: str
@@ -53,6 +56,8 @@ class ProducerConfig:
     grace_s: float = API.producer.grace_s
     max_wait_s: float = API.producer.max_wait_s
     inline_max_bytes: int = API.producer.inline_max_bytes
+    hold_s: float = API.producer.hold_s
+    hold_share: float = API.producer.hold_share
 
 
 @dataclass
@@ -69,6 +74,10 @@ class PeerState:
     by_gid: dict[int, tuple[str, str, int]] = field(default_factory=dict)  # for Renew
     #: ECTP v2: batch id → how many of its items wait for readiness (only batches with some)
     waiting: dict[int, int] = field(default_factory=dict)
+    #: ECTP v2 §10: the session was granted offers (then it is sent ``Offer`` frames once it has
+    #: an anchor: the ``t`` of its newest ``Sync`` and when this producer received it)
+    offers: bool = False
+    anchor: tuple[float, float] | None = None
 
     @property
     def waiting_items(self) -> int:

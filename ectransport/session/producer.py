@@ -32,12 +32,15 @@ margin`` on its own clock) is the other half: ``ectransport.session.fetch``.
 **ECTP v2** (``protocols/ectp-v2.md``; a session negotiates it when both sides speak it): a
 ``ReqBatch`` asks for several entries at once; items whose entry is reserved but not ready wait
 at the producer until it is ready (no NACK_NOT_READY and retry backoff); small entries are
-answered inline, with their bytes and no grant. See :mod:`.producer_batches`.
+answered inline, with their bytes and no grant. See :mod:`.producer_batches`. An entry the producer
+*announces* (:meth:`ProducerSession.announce`) is held and offered to the sessions that asked for
+offers, so that they read it with no request (ECTP v2 §10): :mod:`.holds`.
 
 The module is split by concept: :mod:`.grants` (the settings, the per-peer and per-grant records,
 the notification form of a grant key), :mod:`.producer_state` (the state kept, its invariants, how
 one entry is answered and how a grant ends), :mod:`.producer_batches` (v2: batches, waiting
-items, inline answers); here: the v1 frames and the events.
+items, inline answers), :mod:`.holds` (v2: announcement holds and offers); here: the v1 frames and
+the events.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ import logging
 from typing import Any
 
 from ectransport.protocol import (
+    FEATURE_OFFERS,
     FrameError,
     Hello,
     Renew,
     ReqBatch,
     Status,
+    Sync,
     Welcome,
     XferAck,
     XferDone,
@@ -69,7 +74,7 @@ from ectransport.session.grants import (
     notif_for,
     parse_notif,
 )
-from ectransport.session.producer_batches import ProducerBatches
+from ectransport.session.holds import ProducerHolds
 
 log = logging.getLogger("ectransport.session.producer")
 
@@ -77,7 +82,7 @@ __all__ = ["Describe", "GrantView", "ProducerConfig", "ProducerSession", "notif_
            "parse_notif"]
 
 
-class ProducerSession(ProducerBatches):
+class ProducerSession(ProducerHolds):
     """Grants access to entries of ``store`` (see module docstring).
 
     Args:
@@ -122,11 +127,15 @@ class ProducerSession(ProducerBatches):
                 return self._on_req(peer, state, msg, now)
             case ReqBatch():
                 return self._on_batch(peer, state, msg, now)
+            case Sync():
+                return self._on_sync(peer, state, msg, now)
             case XferDone():
                 if state is None or msg.session_id != state.session_id:
                     return [
                         self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")
                     ]
+                if self._hold_done(msg):
+                    return []
                 why = "completed" if msg.ok else "abandoned"
                 return self._release((msg.session_id, msg.mm_hash, msg.grant_id), why, now)
             case Renew():
@@ -171,6 +180,8 @@ class ProducerSession(ProducerBatches):
         away unreported, NACK_NOT_READY once its wait is over)."""
         self._now = now
         cmds: list[Command] = self._sweep_waiting(now) if self._wait_heap else []
+        if self._holds:
+            cmds += self._expire_holds(now)
         while self._grace and self._grace[0][0] <= now:
             _, mm_hash, entry_id, identity, nbytes = heapq.heappop(self._grace)
             self.store.unpin(mm_hash, entry_id)
@@ -198,7 +209,7 @@ class ProducerSession(ProducerBatches):
         """Release every grant and drop every grace pin (shutdown: the planes close next, so
         nothing can be served from the blocks any more); waiting batch items are dropped."""
         self._clear_waiting()
-        cmds: list[Command] = []
+        cmds: list[Command] = self._close_holds()
         for key in list(self._grants):
             cmds += self._release(key, "released_peer_down", None)
         for _, mm_hash, entry_id, identity, nbytes in self._grace:
@@ -212,7 +223,7 @@ class ProducerSession(ProducerBatches):
         cfg = self.config
 
         def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "",
-                    endpoint: bytes = b"") -> Send:
+                    endpoint: bytes = b"", features: tuple[str, ...] = ()) -> Send:
             if status is not Status.OK:
                 self.nacks[status] = self.nacks.get(status, 0) + 1
                 self._emit(
@@ -241,6 +252,7 @@ class ProducerSession(ProducerBatches):
                         compat_hash=cfg.compat_hash,
                         detail=detail[:1000],
                         endpoint=endpoint,
+                        features=list(features),
                     )
                 ),
             )
@@ -322,7 +334,9 @@ class ProducerSession(ProducerBatches):
         except Exception as e:  # a plane bug must not kill the node
             log.exception("plane %s failed to declare its endpoint", state.plane)
             return [*cmds, welcome(Status.NACK_INTERNAL, detail=f"plane error: {type(e).__name__}")]
-        return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint)]
+        state.offers = self._grants_offers(state, msg.features)
+        return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint,
+                               features=(FEATURE_OFFERS,) if state.offers else ())]
 
     def _on_req(self, peer: Any, state: PeerState | None, msg: XferReq, now: float) -> list[Command]:
         def ack(status: Status, detail: str) -> list[Command]:

@@ -82,9 +82,11 @@ class ProducerState:
         revocable: Callable[[str], bool] | None = None,
         max_bytes: Callable[[str], int | None] | None = None,
         read: ReadBytes | None = None,
+        offerable: Callable[[str], bool] | None = None,
     ):
         self.config = config
         self._read = read
+        self._offerable = offerable or (lambda plane: False)
         self._max_bytes = max_bytes or (lambda plane: None)
         self._revocable = revocable or (lambda plane: False)
         self._reachable = reachable or (lambda plane, locality: True)
@@ -195,6 +197,9 @@ class ProducerState:
             st = self._peers.get(peer)
             assert st is not None and st.session_id == sid, f"session {sid} has no peer"
         assert len(self._sessions) == len(self._peers), "a peer without its session id"
+        for mm_hash, entry_id, identity, nbytes in self._held_pins():
+            pins[(mm_hash, entry_id)] = pins.get((mm_hash, entry_id), 0) + 1
+            by_identity[identity] = by_identity.get(identity, 0) + nbytes
         for _, mm_hash, entry_id, identity, nbytes in self._grace:
             pins[(mm_hash, entry_id)] = pins.get((mm_hash, entry_id), 0) + 1
             by_identity[identity] = by_identity.get(identity, 0) + nbytes
@@ -217,6 +222,11 @@ class ProducerState:
             e = self.store.get(mm_hash)
             assert e is not None and e.entry_id == entry_id and e.pins >= n, (
                 f"entry {mm_hash[:12]} ({entry_id}) lacks {n} pins")
+
+    def _held_pins(self) -> list[tuple[str, int, str, int]]:
+        """Pins held other than by grants and grace: ``(mm_hash, entry_id, identity, bytes)``
+        (announcement holds, :mod:`ectransport.session.holds`)."""
+        return []
 
     # -- answering one entry ---------------------------------------------------------------------
     def _answer(self, peer: Any, state: PeerState, mm_hash: str, now: float, *,

@@ -9,7 +9,10 @@ Per feature of a waiting request (``ensure_cache_available``), in order:
 5. no usable announcement (no params entry, no ``peer_host``) → compute locally;
 6. announced size or shape ≠ local layout, untrusted producer key, bad address → compute
    locally without fetching;
-7. otherwise start a fetch (:meth:`ConsumerNode.submit_held`) and defer.
+7. otherwise start a fetch (:meth:`ConsumerNode.submit_held`, with the announcement's ticket:
+   ``ect_hold``) and defer — unless it lands within ``admit_wait_s`` (a read on the producer's
+   offer, or a small entry answered inline: then the request is admitted in this step; the
+   scheduler waits at most ``admit_wait_s`` per step in all, whatever the number of requests).
 
 Every fetch ends by its deadline (``fetch_timeout_s``) in landed or miss, so no request waits
 forever; a miss of any kind (missing, dead, incompatible, busy, timeout...) makes the feature
@@ -23,8 +26,10 @@ scheduled or finished and every load of it was reported by all ranks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +37,7 @@ from typing import Any
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.consumer import ConsumerNode, Held, ProducerAddress
+from ectransport.protocol import Ticket
 from ectransport.vllm.metadata import LoadOrder
 from ectransport.vllm.region import RegionPart
 from ectransport.vllm.settings import Settings
@@ -50,6 +56,7 @@ class _Fetch:
     waiters: set[str] = field(default_factory=set)
     started: float = 0.0  # scheduler clock when the fetch was submitted (s)
     steps: int = 0  # scheduler steps it stayed in flight
+    fast: bool = False  # expected to land at once (an offer, or inline): admit waits for it
 
 
 @dataclass
@@ -94,6 +101,9 @@ class ConsumerSide:
         self._loads: dict[int, _Load] = {}
         self._ids = itertools.count(1)
         self.outcomes: Counter[str] = Counter()  # "landed", "local:<why>", "miss:<reason>"
+        #: what admit() waited this scheduler step (at most admit_wait_s in all, whatever the
+        #: number of requests; reset by take_orders)
+        self._admit_spent_s = 0.0
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -111,14 +121,20 @@ class ConsumerSide:
         return (request_id, mm_hash) in self._local
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, request: Any, num_computed_tokens: int, now: float) -> bool:
-        """``ensure_cache_available``: True when no feature of ``request`` waits for a fetch."""
+    def admit(self, request: Any, num_computed_tokens: int, now: float,
+              _waited: bool = False) -> bool:
+        """``ensure_cache_available``: True when no feature of ``request`` waits for a fetch.
+
+        Fetches it starts that should land at once — read on the producer's offer (a ticket,
+        ECTP v2 §10) or small enough to come inline — are waited for up to ``admit_wait_s``, so
+        that the request is admitted in this scheduler step rather than the next."""
         params = getattr(request, "ec_transfer_params", None)
         if not params or not isinstance(params, dict):
             return True
         rid = request.request_id
         self._check_match(request, params)
         pending = False
+        fast: list[str] = []  # fetches started here that should land at once
         for feature in request.mm_features or ():
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
@@ -144,6 +160,14 @@ class ConsumerSide:
                 continue  # not announced: the encoder runs here
             if self._start(rid, mm_hash, feature, info, now):
                 pending = True
+                if self._fetches[mm_hash].fast:
+                    fast.append(mm_hash)
+        budget_s = self.settings.admit_wait_s - self._admit_spent_s
+        if fast and not _waited and budget_s > 0:
+            t0 = time.monotonic()
+            concurrent.futures.wait([self._fetches[m].future for m in fast], timeout=budget_s)
+            self._admit_spent_s += time.monotonic() - t0
+            return self.admit(request, num_computed_tokens, now, _waited=True)
         if not pending and any(
                 (rid, f.identifier) in self._local and getattr(f, "data", None) is None
                 and f.mm_position.offset + f.mm_position.length > num_computed_tokens
@@ -193,10 +217,13 @@ class ConsumerSide:
             self._fall_back({rid}, mm_hash, "local:" + why.split(":")[0])
             return False
         addr = ProducerAddress(str(info["peer_host"]), int(info["peer_port"]), key)
-        future = self.node.submit_held(addr, mm_hash, timeout_s=self.settings.fetch_timeout_s)
+        ticket = _ticket(info, mm_hash)
+        future = self.node.submit_held(addr, mm_hash, timeout_s=self.settings.fetch_timeout_s,
+                                       ticket=ticket)
+        fast = ticket is not None or nbytes <= self.node.config.inline_max_bytes
         self._fetches[mm_hash] = _Fetch(future, nbytes,
                                         now + self.settings.fetch_timeout_s + _GRACE_S, {rid},
-                                        started=now)
+                                        started=now, fast=fast)
         log.debug("EC consumer: fetching %s (%d bytes) from %s", mm_hash, nbytes, addr.key)
         return True
 
@@ -253,6 +280,7 @@ class ConsumerSide:
 
     def take_orders(self, now: float) -> list[LoadOrder]:
         """This step's load orders; also settles finished fetches and expired load pins."""
+        self._admit_spent_s = 0.0
         for mm_hash, f in list(self._fetches.items()):
             f.steps += not self._settle(mm_hash, f, now)
         for tid, load in list(self._loads.items()):
@@ -317,6 +345,16 @@ class ConsumerSide:
         self._local.clear()
         self._unavailable.clear()
         self._checked.clear()
+
+
+def _ticket(info: dict, mm_hash: str) -> Ticket | None:
+    """The ticket an announcement carries (``ect_hold`` and ``producer_id``), or None: absent,
+    0 (no hold) or malformed — then the entry is fetched with a request."""
+    hold, producer = info.get("ect_hold"), info.get("producer_id")
+    if not (type(hold) is int and 0 < hold < 1 << 63 and isinstance(producer, str)
+            and 0 < len(producer) <= 128):
+        return None
+    return Ticket(producer=producer, hold_id=hold, mm_hash=mm_hash)
 
 
 def _check_announcement(info: dict, nbytes: int, rows: int, layout: Layout) -> str | None:

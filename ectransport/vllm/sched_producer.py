@@ -164,7 +164,10 @@ class ProducerSide:
 
     def announce(self, request: Any) -> dict[str, dict[str, Any]]:
         """``ec_transfer_params`` for the request's features that have an entry (ready, or with
-        the save still in flight: consumers retry on NACK_NOT_READY)."""
+        the save still in flight: consumers' requests wait for it). Each is announced
+        (:meth:`ProducerNode.announce`): ``ect_hold`` names its hold, which consumer sessions
+        were offered, so that they read it with no request (ECTP v2 §10); absent when no hold
+        was taken."""
         items: dict[str, dict[str, Any]] = {}
         for feature in request.mm_features or ():
             mm_hash = feature.identifier
@@ -183,6 +186,9 @@ class ProducerSide:
                 "producer_id": self.node.node_id,
                 "transport": TRANSPORT,
             }
+            ticket = self.node.announce(mm_hash)  # held and offered (ECTP v2 §10)
+            if ticket is not None and ticket.hold_id:
+                items[mm_hash]["ect_hold"] = ticket.hold_id
         return items
 
     def close(self) -> None:

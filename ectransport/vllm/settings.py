@@ -109,6 +109,9 @@ class Settings:
     hidden: int | None = key("vllm.hidden", "both", _NO_MODEL_CONFIG)
     shm_dir: str = key("vllm.shm_dir", "both")
     local_cache: bool = key("vllm.local_cache", "producer, both")
+    hold_s: float = key("producer.hold_s", "producer",
+                        "announced entries are held and offered to consumer sessions this long")
+    admit_wait_s: float = key("vllm.admit_wait_s", "consumer")
     #: the ec_connector_extra_config these settings were parsed from
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     #: the shared keys as schema settings (the rest at ``settings_schema.VLLM``)

@@ -180,7 +180,8 @@ def test_every_setting_is_an_env_var_a_toml_key_and_a_config_show_line():
             continue
         env = "ECTRANSPORT_" + "__".join(p.upper() for p in path)
         default = leaf.default_for("cli")
-        raw = {bool: "true", int: "1", float: "1.5", str: "x"}.get(type(default))
+        # a float setting takes its default's text (every one in its own range: e.g. a share)
+        raw = {bool: "true", int: "1", float: repr(default), str: "x"}.get(type(default))
         if raw is None:
             continue  # None/list defaults: covered by test_settings
         if leaf.is_str and not isinstance(default, str):

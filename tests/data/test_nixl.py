@@ -307,6 +307,29 @@ def test_importing_the_module_does_not_import_nixl():
     assert out.stdout.strip() == "nixl"
 
 
+def test_opening_a_plane_imports_torch_only_for_a_gpu_build():
+    """nixl's meta package imports all of torch to learn that a CPU-only torch has no CUDA (~2 s
+    per fresh process); the plane's import tells it the answer instead (nixl_agent docstring)."""
+    from ectransport.data.nixl_agent import _torch_build
+
+    build = _torch_build()
+    if build is None or build != (None, None):
+        pytest.skip(f"needs an installed CPU-only torch build (found {build})")
+    code = (
+        "import sys\n"
+        "from ectransport.data.nixl import NixlPlane\n"
+        "from ectransport.store.region import HostRegion\n"
+        "p = NixlPlane(node_id='x', region=HostRegion(4, 4096))\n"
+        "print(sorted(p.capabilities.mem_kinds), 'torch' in sys.modules)\n"
+        "p.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "['DRAM'] False"
+
+
 # -- producer in another process ------------------------------------------------------------------
 def _producer_process(conn, num_blocks: int, block_bytes: int, seed: int) -> None:
     """Child: serve one grant, report the notifications it received, exit when told."""

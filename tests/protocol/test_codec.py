@@ -22,11 +22,14 @@ from ectransport.protocol import (
     Grant,
     Hello,
     Nack,
+    Offer,
+    OfferItem,
     Parked,
     Renew,
     ReqBatch,
     ReqItem,
     Status,
+    Sync,
     Welcome,
     XferAck,
     XferDone,
@@ -72,6 +75,11 @@ SAMPLES: dict[str, Any] = {
         AckItem(mm_hash="ef" * 32, status=Status.NACK_MISSING, grant=None, data=b"",
                 detail="not in this producer's cache")]),
     "park": Parked(v=2, session_id=SID, batch_id=3, items=[MM, "cd" * 32], wait_s=5.0),
+    "sync": Sync(v=2, session_id=SID, t=1234.5),
+    "offer": Offer(v=2, session_id=SID, anchor=1234.5, items=[OfferItem(
+        mm_hash=MM, grant=Grant(grant_id=7, entry_bytes=10, num_blocks=1, block_bytes=16,
+                                lease_s=10.0, plane="nixl", plane_grant=b"\x04"),
+        valid_s=9.5)]),
 }
 ANY_VERSION = {"hello", "welcome"}
 #: the version each sample is written at (the v2 kinds exist since v2)

@@ -158,8 +158,12 @@ class Engine:
                 continue
             compute, external = [], []
             for i, f in enumerate(req.mm_features):
-                if f.identifier in self.encoder_cache:
-                    continue  # already in the encoder cache: shared, nothing to schedule
+                if f.identifier in self.encoder_cache and f.identifier not in self._free:
+                    # already in the encoder cache: shared, nothing to schedule (an entry this
+                    # step frees is not: vLLM's encoder-cache manager never both keeps and
+                    # frees one — a request admitted at once, its fetch landed within the
+                    # step, would otherwise find it gone)
+                    continue
                 if sched.has_cache_item(f.identifier):
                     external.append(i)
                 else:

@@ -9,6 +9,7 @@ in file order, the producer is killed in the last one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -320,3 +321,34 @@ def test_producer_dead_then_region_reclaimed(producer, consumer, producer_extra)
         fresh.shutdown()
     assert not os.path.exists(region)
     assert stale not in region_files()
+
+
+def test_announced_items_are_read_on_their_ticket_in_the_same_step(producer, consumer):
+    """ECTP v2 §10 (issue 16 items 1 and 5): the producer's ``request_finished`` announces each
+    item with a hold (``ect_hold``) offered to the consumer's session; the consumer reads it on
+    that ticket with no request at the producer, and the request is admitted in the scheduler
+    step that first saw it (no step deferred). Without an offer (first contact) the same params
+    are fetched with a request, as before."""
+    h0 = uid("first")
+    params0, digests0 = produce(producer, [[h0, 0, 32]])
+    assert isinstance(params0[h0].get("ect_hold"), int) and params0[h0]["ect_hold"] > 0
+    fin0 = consume(consumer, [(h0, 0, 32)], params0)  # connects: no offer yet
+    assert fin0.source[h0] == "loaded" and digest(fin0.embeds[h0]) == digests0[h0]
+    side = consumer.sched._scheduler.consumer
+    # the longest admission wait: the test proves the mechanism, not this host's speed
+    saved, side.settings = side.settings, dataclasses.replace(side.settings, admit_wait_s=0.1)
+    h = uid("ticket")
+    params, digests = produce(producer, [[h, 0, 32]])
+    assert wait_for(lambda: side.node.stats()["offers_held"] >= 1, 5.0), "no offer arrived"
+    before = producer.call("stats")
+    try:
+        fin = consume(consumer, [(h, 0, 32)], params)
+    finally:
+        side.settings = saved
+    assert fin.source[h] == "loaded" and digest(fin.embeds[h]) == digests[h]
+    assert side.node.stats()["offer_reads"] >= 1
+    assert fin.steps_deferred == 0, "the request waited a scheduler step for its fetch"
+    after = producer.call("stats")
+    assert after["batches"] == before["batches"] and after["grants"] == before["grants"], \
+        "the consumer asked instead of reading on its ticket"
+    assert wait_for(lambda: producer.call("stats")["hold_reads"] >= 1, 5.0)
