@@ -170,8 +170,8 @@ class ProducerSettings(_Section, frozen=True):
     )] = 64 << 10
     hold_s: Annotated[float, doc(
         "ECTP v2: an announced entry is held (pinned, offered to consumer sessions to read "
-        "with no request) this long, s; consumers' Renew frames extend the pin, never the "
-        "offered window", ge=0.5, le=3600,
+        "with no request) for this long after its latest announcement, s (a consumer starts a "
+        "read on an offer only with at least 1 s of it left)", ge=2, le=3600,
     )] = 10.0
     hold_share: Annotated[float, doc(
         "ECTP v2: most of the region that announcement holds may pin, a fraction; beyond it "

@@ -39,6 +39,8 @@ from ectransport.protocol import (
     SINCE,
     AckBatch,
     AckItem,
+    DoneBatch,
+    DoneItem,
     Grant,
     Hello,
     Message,
@@ -359,6 +361,11 @@ VALID_V2: dict[str, tuple[Message, str]] = {
                "names.")),
     "done_hold": (XferDone(v=2, session_id=SID, mm_hash=MM, grant_id=HOLD, ok=True),
                   "A READ on an offer completed: XferDone names the hold."),
+    "dones": (DoneBatch(v=2, session_id=SID, items=[
+        DoneItem(mm_hash=MM, grant_id=GID, ok=True), DoneItem(mm_hash=MM2, grant_id=GID2, ok=True),
+        DoneItem(mm_hash=MM3, grant_id=HOLD, ok=False)]),
+              ("The completions of one step in one frame: two grants read, a READ on an offer "
+               "that failed (each item as an XferDone).")),
 }
 
 
@@ -412,6 +419,14 @@ INVALID_V2: dict[str, tuple[bytes, list[int], Status, str | None, str]] = {
                            Status.NACK_BAD_REQUEST, "park", "wait_s = 60.5 (bound 60)."),
     "park_wait_negative": (_e(_with(_frame2("park"), wait_s=-1.0)), [2],
                            Status.NACK_BAD_REQUEST, "park", "wait_s = -1."),
+    "dones_v1": (_e(_with(_frame2("dones"), v=1)), [1, 2], Status.NACK_VERSION, "dones",
+                 "DoneBatch claiming v = 1: it exists since v2."),
+    "dones_empty": (_e(_with(_frame2("dones"), items=[])), [2], Status.NACK_BAD_REQUEST,
+                    "dones", "DoneBatch naming no grant."),
+    "dones_too_many": (_e(_with(_frame2("dones"), items=[
+        {"mm_hash": f"{i:064x}", "grant_id": i, "ok": True}
+        for i in range(MAX_BATCH_ITEMS + 1)])), [2], Status.NACK_BAD_REQUEST, "dones",
+        "DoneBatch naming 65 grants (bound 64)."),
     "sync_v1": (_e(_with(_frame2("sync"), v=1)), [1, 2], Status.NACK_VERSION, "sync",
                 "Sync claiming v = 1: offers exist since v2."),
     "sync_negative": (_e(_with(_frame2("sync"), t=-1.0)), [2], Status.NACK_BAD_REQUEST, "sync",

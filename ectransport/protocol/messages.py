@@ -268,6 +268,23 @@ class Parked(Message, frozen=True, tag="park"):
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 
 
+class DoneItem(msgspec.Struct, frozen=True):
+    """One grant a ``DoneBatch`` completes or gives back: as ``XferDone``'s fields."""
+
+    mm_hash: MmHash
+    grant_id: GrantId
+    ok: bool
+
+
+class DoneBatch(Message, frozen=True, tag="dones"):
+    """v2. Consumer → producer: ``XferDone`` for several grants (or holds) in one frame — the
+    completions of one step's READs (e.g. a batch's), so that a consumer sends one frame, not one
+    per entry (ECTP v2 §4.4). Each item is handled exactly as an ``XferDone`` would be."""
+
+    session_id: SessionId
+    items: Annotated[list[DoneItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
 #: ``Hello.features`` / ``Welcome.features``: pushed offers of announced entries (ECTP v2 §10).
 FEATURE_OFFERS = "offers"
 #: Longest validity an ``Offer`` item may claim, seconds (as the longest lease a consumer takes).
@@ -324,14 +341,14 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 AnyMessage = (Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack | ReqBatch | AckBatch
-              | Parked | Sync | Offer)
+              | Parked | Sync | Offer | DoneBatch)
 
 #: tag → class, for the first decoding phase and for docs/tests.
 KINDS: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack, ReqBatch, AckBatch,
-                Parked, Sync, Offer)
+                Parked, Sync, Offer, DoneBatch)
 }
 #: tag → the protocol version that introduced it; a frame of that kind with an older ``v`` is
 #: refused (NACK_VERSION), so a v1 session never sees v2 frames, whatever ``v`` they claim.
-SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2, "sync": 2, "offer": 2}
+SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2, "sync": 2, "offer": 2, "dones": 2}

@@ -261,8 +261,10 @@ class ConsumerSession(ConsumerOffers):
         if f is None or f.state is not FetchState.READING or state == "proc":
             return []
         if state == "done" and now >= f.valid_until:
-            # the bytes may postdate the lease: never report them (§6.3)
-            self._penalize(now, "transfer completed after its grant's validity window")
+            # the bytes may postdate the lease: never report them (§6.3); on an offer the
+            # consumer chose to start with the window it had: not the producer's fault
+            if not f.offer:
+                self._penalize(now, "transfer completed after its grant's validity window")
             return self._quarantine_fetch(
                 f, now, MissReason.TIMEOUT,
                 f"transfer completed {now - f.valid_until:.3f} s after its grant's validity "
@@ -303,7 +305,9 @@ class ConsumerSession(ConsumerOffers):
         for f in list(self._fetches.values()):
             if now >= f.final_deadline or now >= f.deadline:
                 cmds += self._expire(f, now)
-        reading = [f for f in self._fetches.values() if f.state is FetchState.READING]
+        # reads on offers are not renewed: a hold's pin is not extended by Renew (§10)
+        reading = [f for f in self._fetches.values()
+                   if f.state is FetchState.READING and not f.offer]
         if reading and now >= self._next_renew and self.welcomed:
             lease = min(f.lease_s for f in reading)
             cmds.append(
@@ -327,14 +331,14 @@ class ConsumerSession(ConsumerOffers):
             self._prune_batches()
         if self._offers or self.offers_on:
             cmds += self._poll_offers(now)
-        return cmds
+        return cmds + self._flush_dones()  # this step's completions, together (v2)
 
     def close(self) -> list[Command]:
         """Shutdown: every fetch misses, every handle is released, local blocks freed."""
         cmds = self._fail_session(Miss("", MissReason.INTERNAL, "consumer closing"))
         for q in list(self._quarantine.values()):
             cmds += self._settle(q)
-        return cmds
+        return cmds + self._flush_dones()
 
 
     # -- frames --------------------------------------------------------------------------------
@@ -412,6 +416,6 @@ class ConsumerSession(ConsumerOffers):
                 and f is None
             ):
                 del self._abandoned[(-1, msg.mm_hash)]
-                return [self._done(msg.mm_hash, msg.grant.grant_id, ok=False)]
+                return self._done(msg.mm_hash, msg.grant.grant_id, ok=False)
             return []
         return self._on_answer(f, msg.status, msg.grant, msg.detail, now)

@@ -143,7 +143,7 @@ class ConsumerBatches(ConsumerState):
         if key in self._abandoned:
             del self._abandoned[key]
             if status is Status.OK and grant is not None:
-                return [self._done(mm_hash, grant.grant_id, ok=False)]
+                return self._done(mm_hash, grant.grant_id, ok=False)
             return []
         if b is None and batch_id in self._answered:
             return self._ignore("second_answer", f"an answer for {mm_hash[:12]!r} in batch "
@@ -198,12 +198,12 @@ class ConsumerBatches(ConsumerState):
             del self._fetches[f.mm_hash]
             cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL, f"bad grant: {bad}"))]
             if g is not None:
-                cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
+                cmds += self._done(f.mm_hash, g.grant_id, ok=False)
             return cmds
         assert g is not None
         window_end = valid_until(f.req_sent, g.lease_s, self.config.validity_margin_s)
         if now >= window_end:  # the lease may be over already: never use this grant (§6.3)
-            cmds = [self._done(f.mm_hash, g.grant_id, ok=False)]
+            cmds = self._done(f.mm_hash, g.grant_id, ok=False)
             late = now - window_end
             f.late_grants += 1
             if f.late_grants <= MAX_LATE_GRANTS and now + self.config.ack_timeout_s < f.final_deadline:
@@ -229,7 +229,7 @@ class ConsumerBatches(ConsumerState):
         if isinstance(entry, AllocFailed):
             del self._fetches[f.mm_hash]
             return [
-                self._done(f.mm_hash, g.grant_id, ok=False),
+                *self._done(f.mm_hash, g.grant_id, ok=False),
                 Report(
                     Miss(
                         f.mm_hash,
@@ -264,7 +264,7 @@ class ConsumerBatches(ConsumerState):
             cmds: list[Command] = [Report(Miss(f.mm_hash, MissReason.INTERNAL,
                                               f"bad inline answer: {bad}"))]
             if g is not None:
-                cmds.append(self._done(f.mm_hash, g.grant_id, ok=False))
+                cmds += self._done(f.mm_hash, g.grant_id, ok=False)
             return cmds
         self._seq += 1
         entry = self.store.alloc(f"{f.mm_hash}#{self.session_id}.{self._seq}", len(data))

@@ -49,6 +49,11 @@ MAX_OFFERS = 4096
 MIN_OFFER_LEFT_S = 1.0
 #: Relative clock-rate difference allowed for, on the time since the anchor (100 ppm).
 DRIFT_ALLOWANCE = 1e-4
+#: Plane-grant bytes of the offers kept per session (the oldest go first): a hostile producer
+#: cannot make a consumer hold more, whatever the grants' sizes and windows.
+MAX_OFFER_BYTES = 64 << 20
+#: How often expired offers are pruned, seconds (a scan of the table).
+PRUNE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class ConsumerOffers(ConsumerBatches):
         super().__init__(*args, **kwargs)
         self._offers: collections.OrderedDict[int, OfferRecord] = collections.OrderedDict()
         self._syncs: collections.deque[float] = collections.deque(maxlen=MAX_SYNCS)
+        self._offer_bytes = 0
+        self._next_prune = 0.0
         #: fetches started on an offer, and tickets that fell back to a request (by why)
         self.offer_reads = 0
         self.offer_fallbacks: collections.Counter[str] = collections.Counter()
@@ -81,6 +88,7 @@ class ConsumerOffers(ConsumerBatches):
     def _start_offers(self, features: list[str], now: float) -> list[Command]:
         """The session is bound: if offers were granted, send the first ``Sync``."""
         self._offers.clear()
+        self._offer_bytes = 0
         self._syncs.clear()
         self.offers_on = (FEATURE_OFFERS in features and FEATURE_OFFERS in self._wants_offers()
                           and (self.version or 0) >= 2)
@@ -98,12 +106,16 @@ class ConsumerOffers(ConsumerBatches):
     def _stop_offers(self) -> None:
         self.offers_on = False
         self._offers.clear()
+        self._offer_bytes = 0
         self._next_sync = float("inf")
 
     def _poll_offers(self, now: float) -> list[Command]:
-        """Drop offers whose window is over; send the periodic ``Sync``."""
-        for hid in [h for h, r in self._offers.items() if r.usable_until <= now]:
-            del self._offers[hid]
+        """Drop offers whose window is over (a scan every :data:`PRUNE_S`); send the periodic
+        ``Sync``."""
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_S
+            for hid in [h for h, r in self._offers.items() if r.usable_until <= now]:
+                self._drop_offer(hid)
         if self.offers_on and now >= self._next_sync and self.welcomed:
             return self._sync(now)
         return []
@@ -121,16 +133,31 @@ class ConsumerOffers(ConsumerBatches):
             if bad:
                 self._ignore("bad_offer", f"an offer for {it.mm_hash[:12]!r}: {bad}")
                 continue
+            if it.valid_s > g.lease_s + max(0.0, now - msg.anchor) + 1.0:
+                # a hold lasts at most its length after the announcement, which came after
+                # the anchor's Sync was received: a longer claim is not believed
+                self._ignore("bad_offer", f"an offer for {it.mm_hash[:12]!r} valid {it.valid_s} s "
+                             f"after its anchor, beyond its {g.lease_s} s hold")
+                continue
             margin = (min(self.config.validity_margin_s, g.lease_s / 4)
                       + DRIFT_ALLOWANCE * it.valid_s)
             until = msg.anchor + it.valid_s - margin
-            if until <= now:
-                continue
-            self._offers.pop(g.grant_id, None)
+            old = self._offers.get(g.grant_id)
+            if until <= now or (old is not None and old.usable_until >= until
+                                and old.mm_hash == it.mm_hash):
+                continue  # nothing new (a hold never shortens)
+            self._drop_offer(g.grant_id)
             self._offers[g.grant_id] = OfferRecord(it.mm_hash, g, until)
-            while len(self._offers) > MAX_OFFERS:
-                self._offers.popitem(last=False)
+            self._offer_bytes += len(g.plane_grant)
+            while self._offers and (len(self._offers) > MAX_OFFERS
+                                    or self._offer_bytes > MAX_OFFER_BYTES):
+                self._drop_offer(next(iter(self._offers)))
         return []
+
+    def _drop_offer(self, hold_id: int) -> None:
+        rec = self._offers.pop(hold_id, None)
+        if rec is not None:
+            self._offer_bytes -= len(rec.grant.plane_grant)
 
     def _offer_for(self, mm_hash: str, ticket: Ticket | None, now: float) -> OfferRecord | None:
         """The usable offer a ticket names for ``mm_hash``, or None (counted by why)."""
@@ -157,6 +184,7 @@ class ConsumerOffers(ConsumerBatches):
         """Start ``f`` (new, READY link) on an offer: as an OK answer arriving now, with the
         offer's window."""
         self.offer_reads += 1
+        f.offer = True
         f.state = FetchState.WAITING_ACK
         f.req_sent = now
         f.timings["offer"] = now

@@ -18,6 +18,8 @@ from ectransport.protocol import (
     MAX_BATCH_ITEMS,
     MAX_INLINE_BYTES,
     MAX_WAIT_S,
+    DoneBatch,
+    DoneItem,
     Hello,
     ReqBatch,
     ReqItem,
@@ -105,6 +107,8 @@ class ConsumerState:
         # ECTP v2 §10 offers (:mod:`ectransport.session.consumer_offers`)
         self.offers_on = False  # the Welcome granted offers on this connection
         self._next_sync = float("inf")
+        #: ECTP v2: completions queued this step (:meth:`_done`), sent by :meth:`_flush_dones`
+        self._dones: list[DoneItem] = []
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -195,9 +199,9 @@ class ConsumerState:
 
     def _expire(self, f: Fetch, now: float) -> list[Command]:
         final = now >= f.final_deadline
-        own = (
-            final and now < f.deadline
-        )  # the caller's deadline came first: not the producer's fault
+        # the caller's deadline came first, or an offer's window (a read started on the
+        # consumer's own judgement of the time left): not the producer's fault
+        own = (final and now < f.deadline) or (f.offer and f.deadline >= f.valid_until)
         if f.state is FetchState.READING:
             if not own:
                 self._penalize(now, "read deadline passed")
@@ -238,8 +242,11 @@ class ConsumerState:
             f.state = FetchState.WAITING_ACK
             f.req_sent = now
             f.timings.setdefault("req", now)
+        # completions queued first: a grant given back must reach the producer before a request
+        # for the same entry (else it would answer that live grant again, whose lease began
+        # before this request: the validity window would not hold)
+        cmds: list[Command] = self._flush_dones()
         if (self.version or 0) < 2:
-            cmds: list[Command] = []
             for f in fs:
                 f.batch_id = -1
                 f.deadline = min(f.final_deadline, now + self.config.ack_timeout_s)
@@ -248,7 +255,6 @@ class ConsumerState:
                     compat_hash=self.config.compat_hash, dest=b""))))
             return cmds
         inline_max = max(0, min(self.config.inline_max_bytes, MAX_INLINE_BYTES))
-        cmds = []
         for i in range(0, len(fs), MAX_BATCH_ITEMS):
             chunk = fs[i:i + MAX_BATCH_ITEMS]
             left = max(0.0, min(f.final_deadline for f in chunk) - now)
@@ -280,19 +286,32 @@ class ConsumerState:
                 del self._batches[bid]
 
 
-    def _done(self, mm_hash: str, grant_id: int, ok: bool) -> Send:
-        return Send(
-            self.conn,
-            encode(
-                XferDone(
-                    v=self.version or max(self.config.versions),
-                    session_id=self.session_id,
-                    mm_hash=mm_hash,
-                    grant_id=grant_id,
-                    ok=ok,
-                )
-            ),
-        )
+    def _done(self, mm_hash: str, grant_id: int, ok: bool) -> list[Command]:
+        """Complete (``ok``) or give back a grant: an ``XferDone`` now on v1; on v2 queued, and
+        the step's completions leave together (:meth:`_flush_dones`: one ``DoneBatch``)."""
+        if (self.version or 0) >= 2:
+            self._dones.append(DoneItem(mm_hash=mm_hash, grant_id=grant_id, ok=ok))
+            return []
+        return [Send(self.conn, encode(XferDone(
+            v=self.version or max(self.config.versions), session_id=self.session_id,
+            mm_hash=mm_hash, grant_id=grant_id, ok=ok)))]
+
+    def _flush_dones(self) -> list[Command]:
+        """The queued completions (v2): one ``XferDone`` for one, a ``DoneBatch`` per 64 for
+        more; dropped when the session is no longer welcomed (the producer went away and
+        released them itself)."""
+        items, self._dones = self._dones, []
+        if not items or not self.welcomed:
+            return []
+        v = self.version or 2
+        if len(items) == 1:
+            it = items[0]
+            return [Send(self.conn, encode(XferDone(v=v, session_id=self.session_id,
+                                                    mm_hash=it.mm_hash, grant_id=it.grant_id,
+                                                    ok=it.ok)))]
+        return [Send(self.conn, encode(DoneBatch(v=v, session_id=self.session_id,
+                                                 items=items[i:i + MAX_BATCH_ITEMS])))
+                for i in range(0, len(items), MAX_BATCH_ITEMS)]
 
     def _finish(self, f: Fetch, outcome: Landed | Miss, ok: bool) -> list[Command]:
         del self._fetches[f.mm_hash]
@@ -305,8 +324,9 @@ class ConsumerState:
             cmds.append(Release(f.handle))
             f.handle = None
         if f.grant_id >= 0 and self.welcomed:
-            cmds.append(self._done(f.mm_hash, f.grant_id, ok=ok))
-            self._retry_busy_now()
+            cmds += self._done(f.mm_hash, f.grant_id, ok=ok)
+            if not f.offer:  # a hold is not charged to our pin budget: nothing freed
+                self._retry_busy_now()
         return cmds
 
     def _retry_busy_now(self) -> None:
@@ -348,7 +368,7 @@ class ConsumerState:
         )
         self._quarantine[f.mm_hash] = f
         if f.grant_id >= 0 and self._connected:
-            cmds.append(self._done(f.mm_hash, f.grant_id, ok=False))
+            cmds += self._done(f.mm_hash, f.grant_id, ok=False)
             self._retry_busy_now()
         return cmds
 

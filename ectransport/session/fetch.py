@@ -143,6 +143,7 @@ class Fetch:
     timings: dict[str, float] = field(default_factory=dict)
     batch_id: int = -1  # v2: the ReqBatch whose answer is awaited (-1: an XferReq, v1)
     expected_bytes: int | None = None  # the entry's size when the caller knows it
+    offer: bool = False  # read on a producer's offer (ECTP v2 §10), not on an answered request
 
 
 @dataclass

@@ -23,10 +23,16 @@ Rules:
   stays for ``grace_s`` (a READ plane cannot revoke a read in flight; as a grant's grace period).
   Re-announcing a held entry extends its hold to ``now + hold_s`` and offers it again with the
   longer window (the hold's renewal).
-* **Cap.** Holds (and their grace pins) may pin at most ``hold_share`` of the region; beyond it, or
-  without a hold plane, or for an entry the hold plane cannot move, the ticket's ``hold_id`` is 0
-  and consumers fetch the entry the v1 way (a request). An entry announced before it is ready
-  keeps a *pending* hold id (at most :data:`MAX_PENDING_HOLDS`), taken when it becomes ready.
+* **Cap.** Holds (and their grace pins) may pin at most ``hold_share`` of the region; beyond it,
+  or for an entry the hold plane cannot move, no hold is taken and consumers fetch the entry the v1
+  way (a request). Without a hold plane, or with ``hold_share`` 0, the ticket's ``hold_id`` is 0.
+* **Pending holds.** The hold id is chosen at the announcement, but the hold is taken only when
+  the entry is READY *and* some session takes offers (granted, with an anchor) — an entry announced
+  before its save landed, or while no consumer could be offered it, is not pinned for nobody; it is
+  held at its commit or at the first ``Sync`` of a session, until ``hold_s`` after its (latest)
+  announcement. At most :data:`MAX_PENDING_HOLDS` wait; beyond, the ticket's ``hold_id`` is 0.
+* **A new Welcome** (a reconnect or a quarantine probe on the same connection) clears the
+  session's anchor: the consumer forgot its offers, so its next first ``Sync`` replays them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 
 from ectransport.protocol import (
     FEATURE_OFFERS,
+    DoneItem,
     Grant,
     Offer,
     OfferItem,
@@ -85,7 +92,9 @@ class ProducerHolds(ProducerBatches):
         super().__init__(*args, **kwargs)
         self._holds: dict[int, Hold] = {}
         self._hold_of: dict[str, int] = {}  # mm_hash -> live hold id
-        self._pending_holds: dict[str, int] = {}  # mm_hash (not ready) -> hold id to take
+        #: mm_hash -> (hold id, give-up time): announced, not held yet — not READY, or no
+        #: session takes offers now (a hold would pin for nobody)
+        self._pending_holds: dict[str, tuple[int, float]] = {}
         self.hold_cap_bytes = int(self.store.region_bytes * max(0.0, self.config.hold_share))
         self.hold_plane = next((p for p in self.config.planes if self._offerable(p)), None)
         for k in ("holds", "hold_refused", "hold_expired", "hold_reads", "offers", "syncs"):
@@ -110,40 +119,61 @@ class ProducerHolds(ProducerBatches):
     # -- announcing ----------------------------------------------------------------------------
     def announce(self, mm_hash: str, now: float) -> tuple[Ticket | None, list[Command]]:
         """Announce ``mm_hash``: hold it (or renew its hold) and offer it to the sessions that
-        take offers. Returns the ticket — ``hold_id`` 0 when no hold could be taken (see the
-        module docstring) — and the ``Offer`` sends; None (and nothing) if the entry is not in
-        the store at all."""
+        take offers. Returns the ticket — ``hold_id`` 0 when no hold can be taken (see the
+        module docstring) — and the commands (``Offer`` sends; a ``Revoke`` of a description
+        refused); None (and nothing) if the entry is not in the store at all."""
         self._now = now
         entry = self.store.get(mm_hash)
         if entry is None:
             return None, []
-        if not entry.ready:
-            hid = self._pending_holds.get(mm_hash)
-            if hid is None and len(self._pending_holds) < MAX_PENDING_HOLDS \
-                    and self.hold_plane is not None:
-                hid = self._pending_holds[mm_hash] = self._new_hold_id()
-            return self._ticket(mm_hash, hid or 0), []
+        if self.hold_plane is None or self.hold_cap_bytes <= 0:
+            return self._ticket(mm_hash, 0), []
         hid = self._hold_of.get(mm_hash)
         if hid is not None:  # renew: a longer window, offered again
             h = self._holds[hid]
             h.offered_until = max(h.offered_until, now + self.config.hold_s)
             return self._ticket(mm_hash, hid), self._offer_all([h])
-        taken = self._take(mm_hash, self._new_hold_id(), now)
-        return (self._ticket(mm_hash, taken.hold_id if taken else 0),
-                self._offer_all([taken] if taken else []))
+        pending = self._pending_holds.get(mm_hash)
+        if pending is None:
+            if len(self._pending_holds) >= MAX_PENDING_HOLDS:
+                return self._ticket(mm_hash, 0), []
+            pending = (self._new_hold_id(), now + self.config.hold_s)
+        else:  # announced again before it was held: a later give-up time
+            pending = (pending[0], max(pending[1], now + self.config.hold_s))
+        self._pending_holds[mm_hash] = pending
+        cmds = self._take_pending([mm_hash], now)
+        if pending[0] not in self._holds and mm_hash not in self._pending_holds:
+            return self._ticket(mm_hash, 0), cmds  # refused (the cap): nothing will be offered
+        return self._ticket(mm_hash, pending[0]), cmds
 
     def on_entries_changed(self, mm_hashes: Collection[str], now: float) -> list[Command]:
-        cmds = super().on_entries_changed(mm_hashes, now)
+        return super().on_entries_changed(mm_hashes, now) + self._take_pending(mm_hashes, now)
+
+    def _takers(self) -> bool:
+        """Whether some session would be offered a hold now (granted offers, has an anchor)."""
+        return any(st.offers and st.anchor is not None for st in self._peers.values())
+
+    def _take_pending(self, mm_hashes: Collection[str], now: float) -> list[Command]:
+        """Take the pending holds of ``mm_hashes`` whose entries are READY, if a session takes
+        offers (else they stay pending: no pin for nobody, until a session's first ``Sync`` or
+        their give-up time); drop those whose entry is gone or whose time is over. Returns the
+        ``Offer`` sends (and ``Revoke`` of descriptions refused)."""
         taken: list[Hold] = []
-        for mm in mm_hashes:
-            hid = self._pending_holds.get(mm)
-            if hid is None:
+        cmds: list[Command] = []
+        takers = self._takers()
+        for mm in list(mm_hashes):
+            pending = self._pending_holds.get(mm)
+            if pending is None:
                 continue
             entry = self.store.get(mm)
-            if entry is not None and not entry.ready:
+            if entry is None or now >= pending[1]:
+                del self._pending_holds[mm]
+                continue
+            if not entry.ready or not takers:
                 continue
             del self._pending_holds[mm]
-            h = self._take(mm, hid, now) if entry is not None else None
+            h, refused = self._take(mm, pending[0], now, pending[1])
+            cmds += refused
             if h is not None:
                 taken.append(h)
         return cmds + self._offer_all(taken)
@@ -152,26 +182,28 @@ class ProducerHolds(ProducerBatches):
         return Ticket(producer=self.config.node_id, hold_id=hold_id, mm_hash=mm_hash)
 
     def _new_hold_id(self) -> int:
+        pending = {h for h, _ in self._pending_holds.values()}
         while True:
             hid = self._rng.getrandbits(63)
-            if hid and hid not in self._holds:
+            if hid and hid not in self._holds and hid not in pending:
                 return hid
 
-    def _take(self, mm_hash: str, hold_id: int, now: float) -> Hold | None:
-        """Pin the READY entry ``mm_hash`` under a new hold and describe it, or None (counted in
-        ``hold_refused``) when there is no hold plane, the cap is reached, or the plane cannot
-        describe it."""
+    def _take(self, mm_hash: str, hold_id: int, now: float,
+              until: float) -> tuple[Hold | None, list[Command]]:
+        """Pin the READY entry ``mm_hash`` under a new hold offered until ``until`` and describe
+        it; None (counted in ``hold_refused``) when the cap is reached or the plane cannot
+        describe it (then a ``Revoke`` of a description refused for its size)."""
         plane = self.hold_plane
         entry = self.store.get(mm_hash)
         if plane is None or entry is None or not entry.ready:
-            return None
+            return None, []
         pinned = entry.num_blocks * self.store.block_bytes
         limit = self._max_bytes(plane)
         describe = self.describers.get(plane)
         if (self.held_bytes() + pinned > self.hold_cap_bytes or describe is None
                 or (limit is not None and entry.nbytes > limit)):
             self.stats["hold_refused"] += 1
-            return None
+            return None, []
         entry = self.store.pin_if_ready(mm_hash)
         assert entry is not None
         try:
@@ -180,22 +212,22 @@ class ProducerHolds(ProducerBatches):
             self.store.unpin(entry.mm_hash, entry.entry_id)
             log.exception("plane %s failed to describe a hold", plane)
             self.stats["hold_refused"] += 1
-            return None
-        if len(plane_grant) > MAX_GRANT_BYTES:
+            return None, []
+        if len(plane_grant) > MAX_GRANT_BYTES:  # described (registered), but unusable: revoke
             self.store.unpin(entry.mm_hash, entry.entry_id)
             self.stats["hold_refused"] += 1
-            return None
+            return None, [Revoke(plane, plane_grant)]
         grant = Grant(grant_id=hold_id, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
                       block_bytes=self.store.block_bytes, lease_s=float(self.config.hold_s),
                       plane=plane, plane_grant=plane_grant)
-        h = Hold(hold_id, mm_hash, entry.entry_id, pinned, now + self.config.hold_s, grant)
+        h = Hold(hold_id, mm_hash, entry.entry_id, pinned, max(until, now + 1.0), grant)
         self._holds[hold_id] = h
         self._hold_of[mm_hash] = hold_id
         self._pinned_by[HOLD_IDENTITY] = self.held_bytes() + pinned
         self.stats["holds"] += 1
         self._emit("hold_taken", {"peer": "", "session_id": "", "mm_hash": mm_hash[:12],
                                   "grant_id": hold_id}, nbytes=entry.nbytes, plane=plane)
-        return h
+        return h, []
 
     # -- offers --------------------------------------------------------------------------------
     def _offer_all(self, holds: list[Hold]) -> list[Command]:
@@ -251,9 +283,11 @@ class ProducerHolds(ProducerBatches):
         if not first:
             return []
         live = [h for h in self._holds.values() if h.offered_until > now]
-        return self._offer_frames(state, live)
+        # entries announced while no session took offers are held now (and offered to all)
+        return self._offer_frames(state, live) + self._take_pending(list(self._pending_holds),
+                                                                     now)
 
-    def _hold_done(self, msg: XferDone) -> bool:
+    def _hold_done(self, msg: XferDone | DoneItem) -> bool:
         """``XferDone`` naming a hold of the same mm_hash: a served read, counted (the hold ends
         at its deadline all the same). False if it names no hold (then it is a grant's)."""
         h = self._holds.get(msg.grant_id)
@@ -271,6 +305,8 @@ class ProducerHolds(ProducerBatches):
         cmds: list[Command] = []
         for h in [h for h in self._holds.values() if h.offered_until <= now]:
             cmds += self._end_hold(h, now)
+        for mm in [m for m, (_, until) in self._pending_holds.items() if until <= now]:
+            del self._pending_holds[mm]  # never held: nobody took offers before its time
         return cmds
 
     def _end_hold(self, h: Hold, now: float | None) -> list[Command]:

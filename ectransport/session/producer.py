@@ -51,6 +51,7 @@ from typing import Any
 
 from ectransport.protocol import (
     FEATURE_OFFERS,
+    DoneBatch,
     FrameError,
     Hello,
     Renew,
@@ -129,6 +130,16 @@ class ProducerSession(ProducerHolds):
                 return self._on_batch(peer, state, msg, now)
             case Sync():
                 return self._on_sync(peer, state, msg, now)
+            case DoneBatch():
+                if state is None or msg.session_id != state.session_id:
+                    return [self._nack(peer, Status.NACK_BAD_REQUEST,
+                                       "DoneBatch for a foreign session")]
+                cmds: list[Command] = []
+                for it in msg.items:  # each exactly as an XferDone
+                    if not self._hold_done(it):
+                        cmds += self._release((msg.session_id, it.mm_hash, it.grant_id),
+                                              "completed" if it.ok else "abandoned", now)
+                return cmds
             case XferDone():
                 if state is None or msg.session_id != state.session_id:
                     return [
@@ -180,7 +191,7 @@ class ProducerSession(ProducerHolds):
         away unreported, NACK_NOT_READY once its wait is over)."""
         self._now = now
         cmds: list[Command] = self._sweep_waiting(now) if self._wait_heap else []
-        if self._holds:
+        if self._holds or self._pending_holds:
             cmds += self._expire_holds(now)
         while self._grace and self._grace[0][0] <= now:
             _, mm_hash, entry_id, identity, nbytes = heapq.heappop(self._grace)
@@ -335,6 +346,7 @@ class ProducerSession(ProducerHolds):
             log.exception("plane %s failed to declare its endpoint", state.plane)
             return [*cmds, welcome(Status.NACK_INTERNAL, detail=f"plane error: {type(e).__name__}")]
         state.offers = self._grants_offers(state, msg.features)
+        state.anchor = None  # a new Welcome: the consumer forgot its offers and Sync stamps
         return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint,
                                features=(FEATURE_OFFERS,) if state.offers else ())]
 

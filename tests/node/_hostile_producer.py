@@ -446,6 +446,7 @@ class Hostile:
     def on_frame(self, rid: bytes, data: bytes) -> None:
         from ectransport.protocol import (
             SUPPORTED_VERSIONS,
+            DoneBatch,
             FrameError,
             Grant,
             Hello,
@@ -496,6 +497,9 @@ class Hostile:
         elif isinstance(msg, XferDone):
             self.frames["done"] += 1
             self.dones.append([msg.mm_hash, msg.grant_id, msg.ok])
+        elif isinstance(msg, DoneBatch):  # v2: a step's completions in one frame
+            self.frames["dones"] += 1
+            self.dones += [[it.mm_hash, it.grant_id, it.ok] for it in msg.items]
         elif isinstance(msg, Renew):
             self.frames["renew"] += 1
         elif isinstance(msg, Nack):

@@ -18,6 +18,8 @@ from ectransport.protocol import (
     SINCE,
     AckBatch,
     AckItem,
+    DoneBatch,
+    DoneItem,
     FrameError,
     Grant,
     Hello,
@@ -76,6 +78,9 @@ SAMPLES: dict[str, Any] = {
                 detail="not in this producer's cache")]),
     "park": Parked(v=2, session_id=SID, batch_id=3, items=[MM, "cd" * 32], wait_s=5.0),
     "sync": Sync(v=2, session_id=SID, t=1234.5),
+    "dones": DoneBatch(v=2, session_id=SID, items=[DoneItem(mm_hash=MM, grant_id=5, ok=True),
+                                                   DoneItem(mm_hash="cd" * 32, grant_id=6,
+                                                            ok=False)]),
     "offer": Offer(v=2, session_id=SID, anchor=1234.5, items=[OfferItem(
         mm_hash=MM, grant=Grant(grant_id=7, entry_bytes=10, num_blocks=1, block_bytes=16,
                                 lease_s=10.0, plane="nixl", plane_grant=b"\x04"),

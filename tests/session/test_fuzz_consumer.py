@@ -63,6 +63,7 @@ import pytest
 
 from ectransport.protocol import (
     AckBatch,
+    DoneBatch,
     FrameError,
     Hello,
     Parked,
@@ -424,7 +425,9 @@ class Harness:
 
     def check_sent(self, conn: str, sid: str, data: bytes) -> None:
         msg = decode(data, versions=(1, 2) if self.v2 else (1,))  # every frame it sends is valid
-        assert isinstance(msg, (Hello, XferReq, XferDone, Renew, ReqBatch)), msg
+        assert isinstance(msg, (Hello, XferReq, XferDone, Renew, ReqBatch, DoneBatch)), msg
+        if isinstance(msg, DoneBatch):
+            assert self.v2 and msg.v == 2 and len(msg.items) >= 2, msg  # one alone: XferDone
         if isinstance(msg, ReqBatch):
             assert self.v2 and msg.v == 2, msg
             assert msg.inline_max == self.config.inline_max_bytes and msg.wait_s >= 0, msg
@@ -442,6 +445,9 @@ class Harness:
             del self.peers[conn].requested[:-16]
         elif isinstance(msg, XferDone):
             assert (sid, msg.mm_hash, msg.grant_id) in self.granted, f"XferDone of no grant: {msg}"
+        elif isinstance(msg, DoneBatch):
+            for it in msg.items:
+                assert (sid, it.mm_hash, it.grant_id) in self.granted, f"a done of no grant: {it}"
         elif isinstance(msg, Renew):
             assert math.isfinite(msg.extend_s) and msg.extend_s > 0, msg
 

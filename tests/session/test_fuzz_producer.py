@@ -112,6 +112,12 @@ def base_frames(sid: str, v: int = 1) -> list[dict]:
             {"mm_hash": "a", "status": 0, "grant": None, "data": b"xy", "detail": ""}]},
         {"k": "park", "v": 2, "session_id": sid, "batch_id": 2, "items": ["a", "w1"],
          "wait_s": 3.0},
+        {"k": "dones", "v": 2, "session_id": sid, "items": [
+            {"mm_hash": "a", "grant_id": 1, "ok": True}, {"mm_hash": "b", "grant_id": 2,
+                                                         "ok": False}]},
+        {"k": "sync", "v": 2, "session_id": sid, "t": 12.5},
+        {"k": "offer", "v": 2, "session_id": sid, "anchor": 12.5, "items": [
+            {"mm_hash": "a", "grant": None, "valid_s": 1.0}]},
     ]
 
 
@@ -195,7 +201,7 @@ def mutate(rng: random.Random, frames: list[dict], encoded: list[bytes]) -> byte
     if op == 5:  # field-swapped frames: keys of one kind with the tag of another
         m = dict(rng.choice(frames))
         m["k"] = rng.choice(("hello", "req", "done", "renew", "welcome", "ack", "nack", "reqs",
-                             "acks", "park", "zzz", 7))
+                             "acks", "park", "dones", "sync", "offer", "zzz", 7))
         return ENC(m)
     if op == 6:  # byte-level: a valid frame with random bytes inserted
         b = bytearray(rng.choice(encoded))
@@ -354,6 +360,7 @@ _keys = st.sampled_from(("k", "v", "session_id", "mm_hash", "compat_hash", "dest
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                      st.text(max_size=40), st.binary(max_size=40),
                      st.sampled_from(("hello", "req", "done", "renew", "reqs", "acks", "park",
+                                      "dones", "sync", "offer",
                                       "hello0", "hello2", COMPAT, "a", "nr", 2)))
 _items = st.lists(st.fixed_dictionaries({"mm_hash": st.sampled_from(("a", "b", "nr", "w1", "x")),
                                          "dest": st.just(b"")}), max_size=4)

@@ -126,6 +126,38 @@ def test_two_requests_share_one_fetch(producer, consumer):
     assert fin.source[h] == "loaded" and digest(fin.embeds[h]) == digests[h]
 
 
+def test_announced_items_are_read_on_their_ticket_in_the_same_step(producer, consumer):
+    """ECTP v2 §10 (issue 16 items 1 and 5): the producer's ``request_finished`` announces each
+    item with a hold (``ect_hold``) offered to the consumer's session; the consumer reads it on
+    that ticket with no request at the producer, and the request is admitted in the scheduler
+    step that first saw it (no step deferred). Without an offer (first contact) the same params
+    are fetched with a request, as before."""
+    h0 = uid("first")
+    params0, digests0 = produce(producer, [[h0, 0, 32]])
+    assert isinstance(params0[h0].get("ect_hold"), int) and params0[h0]["ect_hold"] > 0
+    fin0 = consume(consumer, [(h0, 0, 32)], params0)  # connects: no offer yet
+    assert fin0.source[h0] == "loaded" and digest(fin0.embeds[h0]) == digests0[h0]
+    side = consumer.sched._scheduler.consumer
+    # the longest admission wait: the test proves the mechanism, not this host's speed
+    saved, side.settings = side.settings, dataclasses.replace(side.settings, admit_wait_s=0.1)
+    h = uid("ticket")
+    params, digests = produce(producer, [[h, 0, 32]])
+    # h0's hold (offered when the session began) and h's
+    assert wait_for(lambda: side.node.stats()["offers_held"] >= 2, 5.0), "no offer arrived"
+    before = producer.call("stats")
+    try:
+        fin = consume(consumer, [(h, 0, 32)], params)
+    finally:
+        side.settings = saved
+    assert fin.source[h] == "loaded" and digest(fin.embeds[h]) == digests[h]
+    assert side.node.stats()["offer_reads"] >= 1
+    assert fin.steps_deferred == 0, "the request waited a scheduler step for its fetch"
+    after = producer.call("stats")
+    assert after["batches"] == before["batches"] and after["grants"] == before["grants"], \
+        "the consumer asked instead of reading on its ticket"
+    assert wait_for(lambda: producer.call("stats")["hold_reads"] >= 1, 5.0)
+
+
 def test_not_ready_then_ready(producer, consumer):
     """The producer announces while its save is still in flight; the consumer's request waits
     at the producer (ECTP v2: parked, no NACK_NOT_READY polling) and gets the bytes once the save
@@ -321,34 +353,3 @@ def test_producer_dead_then_region_reclaimed(producer, consumer, producer_extra)
         fresh.shutdown()
     assert not os.path.exists(region)
     assert stale not in region_files()
-
-
-def test_announced_items_are_read_on_their_ticket_in_the_same_step(producer, consumer):
-    """ECTP v2 §10 (issue 16 items 1 and 5): the producer's ``request_finished`` announces each
-    item with a hold (``ect_hold``) offered to the consumer's session; the consumer reads it on
-    that ticket with no request at the producer, and the request is admitted in the scheduler
-    step that first saw it (no step deferred). Without an offer (first contact) the same params
-    are fetched with a request, as before."""
-    h0 = uid("first")
-    params0, digests0 = produce(producer, [[h0, 0, 32]])
-    assert isinstance(params0[h0].get("ect_hold"), int) and params0[h0]["ect_hold"] > 0
-    fin0 = consume(consumer, [(h0, 0, 32)], params0)  # connects: no offer yet
-    assert fin0.source[h0] == "loaded" and digest(fin0.embeds[h0]) == digests0[h0]
-    side = consumer.sched._scheduler.consumer
-    # the longest admission wait: the test proves the mechanism, not this host's speed
-    saved, side.settings = side.settings, dataclasses.replace(side.settings, admit_wait_s=0.1)
-    h = uid("ticket")
-    params, digests = produce(producer, [[h, 0, 32]])
-    assert wait_for(lambda: side.node.stats()["offers_held"] >= 1, 5.0), "no offer arrived"
-    before = producer.call("stats")
-    try:
-        fin = consume(consumer, [(h, 0, 32)], params)
-    finally:
-        side.settings = saved
-    assert fin.source[h] == "loaded" and digest(fin.embeds[h]) == digests[h]
-    assert side.node.stats()["offer_reads"] >= 1
-    assert fin.steps_deferred == 0, "the request waited a scheduler step for its fetch"
-    after = producer.call("stats")
-    assert after["batches"] == before["batches"] and after["grants"] == before["grants"], \
-        "the consumer asked instead of reading on its ticket"
-    assert wait_for(lambda: producer.call("stats")["hold_reads"] >= 1, 5.0)
