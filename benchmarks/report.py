@@ -359,7 +359,9 @@ def _v2_section(res: dict) -> list[str]:
            "Same producer, same phase, interleaved sample by sample: `ect-<plane>` is a consumer "
            "speaking this build's versions (v2 where the producer does: one ReqBatch per fetch, "
            "small entries inline, readiness waited for at the producer), `ect-<plane>-v1` one "
-           "configured `versions=(1,)` (XferReq/XferAck). A batch is one `submit_many` of 8 "
+           "configured `versions=(1,)` (XferReq/XferAck), `ect-<plane>-announced` one given "
+           "the producer's tickets of announced entries (ECTP v2 §10: read on the offer its "
+           "session holds, no request; NIXL only). A batch is one `submit_many` of 8 "
            "distinct entries (one ReqBatch on v2, 8 XferReqs on the v1 path), timed until the "
            "last landed, A/B with 8 raw READs posted together.", ""]
     if rows:
@@ -371,6 +373,9 @@ def _v2_section(res: dict) -> list[str]:
             out += [_md_table(["target", "measured", "floor on this host (same run)", "met"],
                               [[x["target"], x["measured"], x["floor"],
                                 "yes" if x["met"] else "**no**"] for x in bt]), ""]
+    notes = Path(__file__).resolve().parent / "V2_NOTES.md"
+    if notes.exists():
+        out += [notes.read_text().strip(), ""]
     return out
 
 
