@@ -423,12 +423,12 @@ class AnnouncedPath(EctPath):
     announced by the producer, so each fetch READs at once on the offer its session holds, with
     no request (``ect-<plane>-announced``)."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, name: str, plane: str, curve: bool, ect: dict, *args, **kw):
+        super().__init__(name, plane, curve, ect, *args, **kw)
         from ectransport.protocol import Ticket
 
         self.tickets = {mm: Ticket(producer=p, hold_id=h, mm_hash=mm)
-                        for mm, (p, h) in (args[3].get("tickets") or {}).items()}
+                        for mm, (p, h) in (ect.get("tickets") or {}).items()}
         deadline = time.monotonic() + 30.0  # the holds' offers, replayed at the first Sync
         while self.node.stats()["offers_held"] < len(self.tickets) \
                 and time.monotonic() < deadline:

@@ -173,19 +173,28 @@ def ack_item(rng: random.Random, mm_hash: str, good: bool = False) -> dict:
     return item
 
 
-def ack_batch(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]],
-              good: bool = False) -> dict:
-    """v2: an AckBatch for a real batch (mostly), some of its items (now and then one it never
-    named, or one twice), or for a batch id never sent."""
-    if batches and rng.random() < 0.9:
+def batch_names(rng: random.Random, batches: list[tuple[int, list[str]]], *, real: float,
+                keep: float) -> tuple[int, list[str]]:
+    """A batch id and item names for a v2 answer: with probability ``real`` a sent batch and each
+    of its items with probability ``keep`` (at least one), else an id never sent; now and then an
+    item the batch never named, or one twice."""
+    if batches and rng.random() < real:
         bid, items = rng.choice(batches)
-        names = [m for m in items if rng.random() < 0.7] or items[:1]
+        names = [m for m in items if rng.random() < keep] or items[:1]
     else:
         bid, names = rng.choice((0, 1, 99, rng.randrange(1 << 63))), [rng.choice(MM)]
     if rng.random() < 0.1:
         names.append(rng.choice(MM + ODD_MM[1:]))
     if rng.random() < 0.05:
         names.append(names[0])
+    return bid, names
+
+
+def ack_batch(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]],
+              good: bool = False) -> dict:
+    """v2: an AckBatch for a real batch (mostly), some of its items (now and then one it never
+    named, or one twice), or for a batch id never sent."""
+    bid, names = batch_names(rng, batches, real=0.9, keep=0.7)
     return {"k": "acks", "v": 2, "session_id": sid, "batch_id": bid,
             "items": [ack_item(rng, m, good) for m in names[:64]]}
 
@@ -193,15 +202,7 @@ def ack_batch(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]]
 def park_frame(rng: random.Random, sid: str, batches: list[tuple[int, list[str]]]) -> dict:
     """v2: a Parked for a real batch (mostly), some of its items (now and then one it never
     named, or one twice), or for a batch id never sent; any wait within the bounds."""
-    if batches and rng.random() < 0.85:
-        bid, items = rng.choice(batches)
-        names = [m for m in items if rng.random() < 0.6] or items[:1]
-    else:
-        bid, names = rng.choice((0, 1, 99, rng.randrange(1 << 63))), [rng.choice(MM)]
-    if rng.random() < 0.1:
-        names.append(rng.choice(MM + ODD_MM[1:]))
-    if rng.random() < 0.05:
-        names.append(names[0])
+    bid, names = batch_names(rng, batches, real=0.85, keep=0.6)
     wait_s = rng.choice((0.0, 0.5, 5.0, 60.0, rng.random() * 60.0))
     return {"k": "park", "v": 2, "session_id": sid, "batch_id": bid, "items": names[:64],
             "wait_s": wait_s}
