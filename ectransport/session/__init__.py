@@ -13,18 +13,14 @@ from ectransport.session.commands import (
     Revoke,
     Send,
 )
-from ectransport.session.consumer import (
-    ConsumerConfig,
-    ConsumerSession,
-    FetchState,
-    IllegalTransition,
-    Link,
-)
+from ectransport.session.consumer import ConsumerConfig, ConsumerSession
+from ectransport.session.fetch import FetchState, IllegalFetchTransition
+from ectransport.session.link import IllegalTransition, Link
 from ectransport.session.producer import ProducerConfig, ProducerSession, notif_for, parse_notif
 
 __all__ = [
-    "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState", "IllegalTransition",
-    "Land", "Landed", "Link", "Miss", "MissReason",
-    "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke", "Send",
-    "notif_for", "parse_notif",
+    "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState",
+    "IllegalFetchTransition", "IllegalTransition", "Land", "Landed", "Link", "Miss",
+    "MissReason", "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke",
+    "Send", "notif_for", "parse_notif",
 ]

@@ -1,64 +1,55 @@
-"""ConsumerSession: the sans-I/O state machine for fetches from one producer connection.
+"""ConsumerSession: the sans-I/O connection object for fetches from one producer.
 
-One ConsumerSession per producer connection (``conn``); many fetches in flight. Per fetch::
+One session per producer connection (``conn``), many fetches in flight. It owns everything that
+changes state: the connection's :class:`~ectransport.session.link.Link` (a transition table),
+the producer's quarantine (:class:`~ectransport.session.link.PeerBackoff`) and the fetch table,
+in :class:`~ectransport.session.fetches.FetchTable`, the one place where a fetch changes state
+(through its own transition table, :mod:`.fetch`: states, validity window, grant and inline
+checks). Owned components with narrow interfaces keep bookkeeping and change no fetch:
+:class:`.BatchTable` (what was asked, to match answers), :class:`.OfferTable` (ECTP v2 §10
+offers), :class:`.Completions` (``XferDone``/``DoneBatch``); :func:`.answers.judge` rules on
+each answer.
 
-    QUEUED ──(Welcome OK, endpoint bound)──► WAITING_ACK ──(ack OK, local blocks allocated)──► READING ──► DONE
-       │                      │   ▲   │ NACK_NOT_READY / NACK_BUSY                   │ ERR
-       │                      │   └── BACKOFF (retry with backoff until the deadline) │
-       ▼                      ▼ other NACK / ack deadline                             ▼
-      Miss                   Miss                                                    Miss
-                                  read deadline with the DMA still in flight:
-                                  QUARANTINED (local blocks kept) ──► settled when the plane
-                                  reports it over, or at the quarantine deadline (handle
-                                  released exactly once)
+A fetch, top to bottom: :meth:`ConsumerSession.fetch_many` queues it (``Queued``); once the link
+is READY (Hello → Welcome → the node binds the producer's endpoint, :meth:`on_bound`) it is read
+at once on an offer its ticket names, or asked for (``FetchTable.ask``: an ``XferReq`` on v1,
+one ``ReqBatch`` per 64 on v2 → ``Asked``); the answer lands it inline, backs it off
+(``Backoff``), misses it, or — a grant inside its validity window — allocates its landing blocks
+and returns a :class:`PostRead` (``Reading``); the node reports the plane's progress
+(:meth:`on_read_posted`, :meth:`on_read_state`) and the fetch ends in exactly one
+:class:`Report` by its deadline. A read given up while its DMA may still land is
+``Quarantined``: its blocks are kept until the plane reports it over or ``quarantine_s`` passed.
+While reading, leases are renewed (``Renew`` every ``lease/6``, by ``2/3·lease``: vLLM's NIXL KV
+scheme), though the consumer never counts on a renewal (ECTP v1 §6.3).
 
-While READING, leases are renewed with ``Renew`` every ``lease/6``, extending by ``2/3·lease``
-(vLLM's NIXL KV lease scheme). Every fetch ends in exactly one :class:`Report` by its deadline.
-
-**Validity window**: a grant is used only inside ``(XferReq sent) + lease_s − margin`` on the
-consumer's clock; see :mod:`ectransport.session.fetch` (ECTP v1 §6.3).
-
-The module is split by concept: :mod:`.link` (connection state and its transition table),
-:mod:`.fetch` (a fetch's states and record, the settings, the grant checks and validity window),
-:mod:`.consumer_state` (the state kept and how a fetch ends), :mod:`.consumer_batches` (ECTP v2's
-``AckBatch``/``Parked`` frames, inline entries, and the answer to a request, v1 or v2); here: the
-events, the connection's frames (Welcome, binding) and v1's ``XferAck``.
-
-**Binding** (issue 17). A Welcome's ``endpoint`` (the producer plane's declaration) is handed to
-the node as a :class:`Bind` command; fetches wait until :meth:`on_bound` (with the plane's binding,
-which every :class:`PostRead` then carries as ``prepared``) or :meth:`on_bind_failed`, which fails
-this session alone.
-
-**Peer quarantine.** A producer that timed out (ack or read), answered NACK_INTERNAL or went away
-is quarantined for a backoff that doubles from ``peer_backoff_s`` up to ``peer_backoff_max_s``;
-meanwhile :meth:`fetch` fails fast with ``Miss(QUARANTINED)``. The first fetch after the backoff
-re-sends ``Hello`` as a probe; a ``Welcome`` lifts the quarantine and resets the backoff.
-
-**ECTP v2** (negotiated in Hello; a v1 session behaves exactly as above): every request is a
-``ReqBatch``, answered item by item in ``AckBatch`` and ``Parked`` frames; those frames, inline
-entries and the answer handling v1 shares are in :mod:`.consumer_batches` (its docstring has the
-rules). A fetch given the producer's ticket of an entry whose offer this session holds is read at
-once, with no request (``Sync``/``Offer``, ECTP v2 §10): :mod:`.consumer_offers`.
-
-Local blocks are allocated from the consumer's :class:`BlockStore` once the ack tells the size,
-under the key ``<mm_hash>#<n>`` (a landing zone, not a cache: several landed copies of one
-mm_hash may coexist); they become READY on DONE and belong to the caller from then on.
+On v2 each item must be answered or named in a ``Parked`` frame within ``ack_timeout_s``, else
+it misses (TIMEOUT) and the producer is quarantined. Hostile answers (a batch never sent, an item
+not named, a second answer, another session's frame) are ignored and counted in
+:attr:`ConsumerSession.ignored`, never answered; the late grant of a request given up on is given
+back once. A producer that timed out, answered NACK_INTERNAL or went away is quarantined for a
+backoff doubling from ``peer_backoff_s`` to ``peer_backoff_max_s``; meanwhile new fetches miss at
+once (QUARANTINED) and the first one after it re-sends Hello.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ectransport.protocol import (
+    FEATURE_OFFERS,
     AckBatch,
     FrameError,
+    Hello,
     Nack,
     Offer,
     Parked,
-    Renew,
     Status,
+    Sync,
     Ticket,
     Welcome,
     XferAck,
@@ -66,51 +57,149 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.protocol.messages import MAX_HASH_LEN
-from ectransport.session.commands import (
-    Bind,
-    Command,
-    Landed,
-    Miss,
-    MissReason,
-    Release,
-    Report,
-    Send,
-)
-from ectransport.session.consumer_offers import ConsumerOffers
-from ectransport.session.fetch import (
-    MAX_LATE_GRANTS,
-    MAX_LEASE_S,
-    MIN_LEASE_S,
-    NACK_REASON,
-    ConsumerConfig,
-    Fetch,
-    FetchState,
-)
-from ectransport.session.link import LINK_TRANSITIONS, IllegalTransition, Link
+from ectransport.session.commands import Bind, Command, Miss, MissReason, Report, Send
+from ectransport.session.consumer_offers import OfferTable
+from ectransport.session.fetch import NACK_REASON, Fetch, FetchState
+from ectransport.session.fetches import FetchTable
+from ectransport.session.link import LINK_TRANSITIONS, IllegalTransition, Link, PeerBackoff
+from ectransport.settings_schema import API, ConsumerSettings
+from ectransport.store import BlockStore
 
 log = logging.getLogger("ectransport.session.consumer")
 
-__all__ = [
-    "LINK_TRANSITIONS", "MAX_LATE_GRANTS", "MAX_LEASE_S", "MIN_LEASE_S", "ConsumerConfig",
-    "ConsumerSession", "Fetch", "FetchState", "IllegalTransition", "Link",
-]
+__all__ = ["LINK_TRANSITIONS", "ConsumerConfig", "ConsumerSession", "FetchState",
+           "IllegalTransition", "Link"]
+
+_LIVE = (Link.GREETING, Link.BINDING, Link.READY)
 
 
-class ConsumerSession(ConsumerOffers):
-    """Fetches from one producer connection (see the module docstring; ECTP v2: the docstring of
-    :mod:`ectransport.session.consumer_batches`).
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """What a consumer session says of itself in Hello, and its settings.
+
+    Attributes:
+        node_id: this node's name. compat_hash: must equal the producer's.
+        planes: data planes this node can use, best first. versions: ECTP versions spoken.
+        localities: ``(plane, token)`` pairs: each plane's ``locality()``, from which the
+            producer judges reachability. mem_kinds: memory kinds of the landing region.
+        settings: the consumer section of the settings schema (timeouts, backoffs, inline and
+            offers; units in the names).
+    """
+
+    node_id: str
+    compat_hash: str
+    planes: tuple[str, ...] = API.node.planes
+    versions: tuple[int, ...] = API.node.versions
+    localities: tuple[tuple[str, bytes], ...] = ()
+    mem_kinds: tuple[str, ...] = ("DRAM",)
+    settings: ConsumerSettings = API.consumer
+
+
+class ConsumerSession:
+    """Fetches from one producer connection (module docstring).
 
     Args:
         config: :class:`ConsumerConfig`.
         conn: the control connection key (``"host:port"``), used as ``Send.peer``.
-        store: the consumer's block store (local blocks for landed entries).
-        now: creation time; the Hello deadline starts here.
+        store: the consumer's block store (landing blocks).
+        now: creation time (session clock, seconds).
         session_id: fixed id for tests; default a fresh UUID4 hex.
-        observer: optional ``(event, fields) -> None`` for metrics and logs (called synchronously,
-            must be cheap): ``peer_quarantined`` (``seconds``, ``why``), ``peer_lifted`` (a
-            Welcome ended a quarantine), ``transfer_quarantined`` (``mm_hash``, ``grant_id``);
-            fields carry ``peer`` (the connection) and ``session_id``.
+        observer: optional ``(event, fields) -> None`` (synchronous, cheap):
+            ``peer_quarantined`` (``seconds``, ``why``), ``peer_lifted``,
+            ``transfer_quarantined`` (``mm_hash``, ``grant_id``, ``reason``); fields carry
+            ``peer`` and ``session_id``.
     """
+
+    def __init__(self, config: ConsumerConfig, conn: str, store: BlockStore, now: float, *,
+                 session_id: str | None = None,
+                 observer: Callable[[str, dict[str, Any]], None] | None = None):
+        self.config = config
+        self.settings = s = config.settings
+        self.conn = conn
+        self.store = store
+        self.session_id = session_id or uuid.uuid4().hex
+        self.compat_hash = config.compat_hash
+        self.max_version = max(config.versions)
+        self.observer = observer
+        self.link = Link.DOWN
+        self.version: int | None = None  #: negotiated on the current connection
+        self.plane: str | None = None
+        self.producer_id = ""
+        self.binding: Any = None  #: the plane's binding of this producer (PostRead.prepared)
+        self.failed: Miss | None = None  #: terminal failure (auth, version, incompatible)
+        self.backoff = PeerBackoff(s.peer_backoff_s, s.peer_backoff_max_s)
+        #: answers ignored, by why (foreign_session, unknown_batch, not_in_batch, second_answer,
+        #: bad_inline, parked_*, offer_*, bad_offer): a hostile or confused producer
+        self.ignored: collections.Counter[str] = collections.Counter()
+        self.offers = OfferTable(s.validity_margin_s)
+        self.fetches = FetchTable(self, s, store)
+        self._welcome: Welcome | None = None  # an OK Welcome whose endpoint is being bound
+        self._hello_due: float | None = None  # while a Hello is unanswered
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def welcomed(self) -> bool:
+        """A protocol version was negotiated on the current connection."""
+        return self.version is not None
+
+    @property
+    def live(self) -> bool:
+        """An authenticated control connection (Hello sent, or negotiated)."""
+        return self.link in _LIVE
+
+    @property
+    def blocked_until(self) -> float:
+        return self.backoff.until
+
+    @property
+    def blocked_reason(self) -> str:
+        return self.backoff.reason
+
+    @property
+    def offers_on(self) -> bool:
+        return self.offers.on
+
+    @property
+    def offer_reads(self) -> int:
+        return self.offers.reads
+
+    @property
+    def offers_held(self) -> int:
+        return len(self.offers)
+
+    @property
+    def offer_fallbacks(self) -> collections.Counter[str]:
+        return self.offers.fallbacks
+
+    @property
+    def batches(self) -> Any:
+        return self.fetches.batches
+
+    @property
+    def _fetches(self) -> dict[str, Fetch]:
+        return self.fetches.fetches
+
+    @property
+    def _quarantine(self) -> dict[str, Fetch]:
+        return self.fetches.quarantine
+
+    def in_flight(self) -> int:
+        return self.fetches.in_flight()
+
+    def fetch_states(self) -> dict[str, FetchState]:
+        return self.fetches.states()
+
+    def reading(self) -> list[tuple[str, Any]]:
+        """(mm_hash, handle) of every transfer whose data-plane state the node must poll."""
+        return self.fetches.reading()
+
+    def next_deadline(self) -> float | None:
+        ds = self.fetches.deadlines()
+        if self.fetches.fetches and self.failed is None and self._hello_due is not None:
+            ds.append(self._hello_due)
+        if self.offers.next_sync is not None:
+            ds.append(self.offers.next_sync)
+        return min(ds) if ds else None
 
     # -- events --------------------------------------------------------------------------------
     def on_up(self, now: float) -> list[Command]:
@@ -118,26 +207,21 @@ class ConsumerSession(ConsumerOffers):
         self._go("up")
         return [] if self.link is Link.FAILED else self._hello(now)
 
-    def fetch(self, mm_hash: str, now: float, deadline: float, *,
-              nbytes: int | None = None, ticket: Ticket | None = None) -> list[Command]:
-        """Start fetching ``mm_hash``; the outcome is reported by ``deadline`` at the latest.
-
-        ``nbytes``: the entry's size in bytes when the caller knows it (an inline answer of
-        another size is refused); None when it does not. ``ticket``: the producer's announcement
-        of it (ECTP v2 §10): read at once if this session holds the offer it names."""
+    def fetch(self, mm_hash: str, now: float, deadline: float, *, nbytes: int | None = None,
+              ticket: Ticket | None = None) -> list[Command]:
+        """Start fetching ``mm_hash``; reported by ``deadline`` at the latest. ``nbytes``: the
+        entry's size when known; ``ticket``: its announcement (ECTP v2 §10)."""
         return self.fetch_many([mm_hash], now, deadline, nbytes=nbytes,
                                tickets={mm_hash: ticket} if ticket is not None else None)
 
     def fetch_many(self, mm_hashes: list[str], now: float, deadline: float, *,
                    nbytes: int | None = None,
                    tickets: Mapping[str, Ticket] | None = None) -> list[Command]:
-        """Start fetching each of ``mm_hashes`` (e.g. the images of one request); every one is
-        reported by ``deadline`` at the latest, each on its own. On a v2 session they are asked
-        for in one ``ReqBatch`` (per 64) and their READs posted together; on v1, one XferReq
-        each. An mm_hash already in flight, given twice or malformed misses at once (INTERNAL);
-        a failed or quarantined session makes every one miss at once. ``tickets`` (mm_hash →
-        :class:`~ectransport.protocol.Ticket`): those whose offer this session holds are read at
-        once, with no request (:mod:`.consumer_offers`)."""
+        """Start fetching each of ``mm_hashes``, every one reported on its own by ``deadline``.
+        On v2 they are asked for together (one ``ReqBatch`` per 64); those whose ticket names an
+        offer this session holds are read at once, with no request. An mm_hash in flight, given
+        twice or malformed misses at once (INTERNAL); so does every one of a failed or
+        quarantined session."""
         cmds: list[Command] = []
         new: list[Fetch] = []
         for mm_hash in mm_hashes:
@@ -145,39 +229,27 @@ class ConsumerSession(ConsumerOffers):
             if miss is not None:
                 cmds.append(Report(miss))
                 continue
-            if (self._probe_due and self.link in (Link.READY, Link.GREETING)
-                    and not any(x.state is FetchState.QUEUED for x in self._fetches.values())):
-                cmds += self._probe(now)  # probe a producer whose quarantine just ended
-            f = Fetch(mm_hash, FetchState.QUEUED, deadline, deadline, now,
-                      expected_bytes=nbytes)
-            self._fetches[mm_hash] = f
-            new.append(f)
-        if new and self.link is Link.READY:  # else they wait: sent once READY (again)
-            if tickets:
-                new, offered = self._take_offers(new, tickets, now)
-                cmds += offered
-            if new:
-                cmds += self._send_reqs(new, now)
-        return cmds
-
-    def _refusal(self, mm_hash: str, now: float) -> Miss | None:
-        """Why a new fetch of ``mm_hash`` misses at once (None: it can start)."""
-        if self.failed is not None:
-            return Miss(mm_hash, self.failed.reason, self.failed.detail)
-        if now < self.blocked_until:
-            return Miss(mm_hash, MissReason.QUARANTINED,
-                        f"producer quarantined for {self.blocked_until - now:.1f} s more "
-                        f"after: {self.blocked_reason}")
-        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
-            return Miss(mm_hash, MissReason.INTERNAL, f"mm_hash must be 1-{MAX_HASH_LEN} characters")
-        if mm_hash in self._fetches or mm_hash in self._quarantine:
-            return Miss(mm_hash, MissReason.INTERNAL, "already being fetched")
-        return None
+            if (self.backoff.probe_due and self.link in (Link.READY, Link.GREETING)
+                    and not self.fetches.queued()):
+                cmds += self._probe(now)  # a producer whose quarantine just ended
+            new.append(self.fetches.add(mm_hash, now, deadline, nbytes))
+        if not new or self.link is not Link.READY:
+            return cmds  # they wait: asked for once READY (again)
+        ask: list[Fetch] = []
+        for f in new:
+            rec = self.offers.lookup(f.mm_hash, (tickets or {}).get(f.mm_hash),
+                                     self.producer_id, now)
+            if rec is None:
+                ask.append(f)
+            else:
+                f.timings["offer"] = now
+                cmds += self.fetches.read(f, rec.grant, now, rec.usable_until, offer=True)
+        return cmds + (self.fetches.ask(ask, now) if ask else [])
 
     def fetch_probe(self, now: float) -> list[Command]:
         """Probe a producer whose quarantine ended (Hello), without a fetch."""
-        if (not self._probe_due or self.link not in (Link.READY, Link.GREETING)
-                or now < self.blocked_until):
+        if (not self.backoff.probe_due or self.link not in (Link.READY, Link.GREETING)
+                or self.backoff.blocked(now)):
             return []
         return self._probe(now)
 
@@ -185,163 +257,159 @@ class ConsumerSession(ConsumerOffers):
         return self._fail_session(Miss("", MissReason.AUTH, reason))
 
     def on_peer_down(self, now: float) -> list[Command]:
-        """The producer went away: waiting fetches miss (retryable), reading ones are quarantined,
-        and the producer is quarantined."""
-        cmds: list[Command] = []
-        was_connected = self._connected
+        """The producer went away: waiting fetches miss (retryable), reading ones are
+        quarantined, and the producer is quarantined."""
+        was_live = self.live
         self._go("down")  # first: no XferDone to a dead peer
-        for f in list(self._fetches.values()):
-            if f.state is FetchState.READING:
-                cmds += self._quarantine_fetch(
-                    f, now, MissReason.PEER_DOWN, "producer went away mid-read"
-                )
-            else:
-                del self._fetches[f.mm_hash]
-                detail = "producer went away" if was_connected else "producer unreachable"
-                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, detail + " (retryable)")))
-        why = "producer went away" if was_connected else "producer unreachable (no connection)"
-        self.version = None
-        self._welcome = None
-        self._stop_offers()
-        self._batches.clear()  # their answers can no longer come: every waiting fetch ended
-        self._hello_deadline = float(
-            "inf"
-        )  # the next Up sends Hello; queued fetches keep their deadlines
-        self._penalize(now, why)
+        cmds = self.fetches.peer_down(now, "producer went away" if was_live
+                                      else "producer unreachable")
+        self.version, self._welcome, self._hello_due = None, None, None
+        self.offers.stop()
+        self.penalize(now, "producer went away" if was_live
+                      else "producer unreachable (no connection)")
         return cmds
 
     def on_frame(self, data: bytes, now: float) -> list[Command]:
-        versions = (self.version,) if self.version is not None else self.config.versions
+        """A frame from the producer; one that does not fit is ignored, never raised."""
         try:
-            msg = decode(data, versions=versions)
+            msg = decode(data, versions=(self.version,) if self.version is not None
+                         else self.config.versions)
         except FrameError as e:
             log.warning("bad frame from producer %s: %s", self.conn, e.detail)
             return []
-        match msg:
-            case Welcome():
-                return self._on_welcome(msg, now)
-            case XferAck():
-                return self._on_ack(msg, now)
-            case AckBatch():
-                return self._on_acks(msg, now)
-            case Parked():
-                return self._on_parked(msg, now)
-            case Offer():
-                return self._on_offer(msg, now)
-            case Nack():
-                log.warning(
-                    "producer %s NACKed a frame: %s %s", self.conn, msg.status.name, msg.detail
-                )
-                return []
-            case _:
-                return []
-
-    def on_read_failed(self, mm_hash: str, detail: str, now: float) -> list[Command]:
-        """The node could not post the transfer (plane error). Blocks are freed, nothing landed."""
-        f = self._fetches.get(mm_hash)
-        if f is None or f.state is not FetchState.READING:
+        if isinstance(msg, Welcome):
+            return self._on_welcome(msg, now)
+        if isinstance(msg, Nack):
+            log.warning("producer %s NACKed a frame: %s %s", self.conn, msg.status.name,
+                        msg.detail)
             return []
-        return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, detail), ok=False)
-
-    def on_read_posted(self, mm_hash: str, handle: Any, now: float) -> list[Command]:
-        f = self._fetches.get(mm_hash)
-        if f is None or f.state is not FetchState.READING:
-            return [Release(handle)]
-        f.handle = handle
-        f.timings["posted"] = now
+        if not isinstance(msg, (XferAck, AckBatch, Parked, Offer)):
+            return []
+        if msg.session_id != self.session_id:  # another session's: never acted on
+            if not isinstance(msg, XferAck):
+                why = {AckBatch: "foreign_session", Parked: "parked_foreign_session",
+                       Offer: "offer_foreign_session"}[type(msg)]
+                self.ignore(why, f"a {type(msg).__name__} of session {msg.session_id[:32]!r}",
+                            1 if isinstance(msg, AckBatch) else len(msg.items))
+            return []
+        match msg:
+            case XferAck():
+                return self.fetches.on_ack(msg, now)
+            case AckBatch():
+                return self.fetches.on_acks(msg, now)
+            case Parked():
+                return self.fetches.on_parked(msg, now)
+            case Offer():
+                for why, detail, k in self.offers.accept(msg, now, self.plane, self.store):
+                    self.ignore(why, detail, k)
         return []
 
-    def on_read_state(self, mm_hash: str, state: str, now: float, detail: str = "") -> list[Command]:
+    def on_bound(self, binding: Any, now: float) -> list[Command]:
+        """The node's plane accepted the Welcome's endpoint: requests flow (queued fetches are
+        asked for now).
+
+        Raises:
+            IllegalTransition: the session is not BINDING.
+        """
+        msg, self._welcome = self._welcome, None
+        self._go("bound")
+        assert msg is not None  # BINDING always holds its Welcome
+        self.binding = binding
+        self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
+        if self.backoff.lift():
+            self.emit("peer_lifted")
+        self._hello_due = None
+        self.offers.start(FEATURE_OFFERS in msg.features and bool(self._wants_offers())
+                          and msg.version >= 2)
+        cmds = self._sync(now) if self.offers.on else []
+        queued = self.fetches.queued()
+        return cmds + (self.fetches.ask(queued, now) if queued else [])
+
+    def on_bind_failed(self, detail: str, now: float) -> list[Command]:
+        """The node's plane refused the Welcome's endpoint: this session fails (every fetch from
+        this producer misses INCOMPATIBLE); no other producer is affected.
+
+        Raises:
+            IllegalTransition: the session is not BINDING.
+        """
+        if self.link is not Link.BINDING:
+            raise IllegalTransition(self.link, "bind_failed")
+        self._welcome = None
+        return self._fail_session(Miss("", MissReason.INCOMPATIBLE,
+                                       f"producer's data-plane endpoint refused: {detail}"))
+
+    def on_read_posted(self, mm_hash: str, handle: Any, now: float) -> list[Command]:
+        """The node posted the transfer of ``mm_hash``; ``handle`` is the plane's."""
+        return self.fetches.on_read_posted(mm_hash, handle, now)
+
+    def on_read_failed(self, mm_hash: str, detail: str, now: float) -> list[Command]:
+        """The node could not post the transfer (plane error): blocks freed, nothing landed."""
+        return self.fetches.on_read_failed(mm_hash, detail, now)
+
+    def on_read_state(self, mm_hash: str, state: str, now: float,
+                      detail: str = "") -> list[Command]:
         """Data-plane state of a transfer: ``"proc"``, ``"done"`` or ``"err"`` (``detail``: the
         plane's reason for an error, put in the miss)."""
-        q = self._quarantine.get(mm_hash)
-        if q is not None:
-            return [] if state == "proc" else self._settle(q)
-        f = self._fetches.get(mm_hash)
-        if f is None or f.state is not FetchState.READING or state == "proc":
-            return []
-        if state == "done" and now >= f.valid_until:
-            # the bytes may postdate the lease: never report them (§6.3); on an offer the
-            # consumer chose to start with the window it had: not the producer's fault
-            if not f.offer:
-                self._penalize(now, "transfer completed after its grant's validity window")
-            return self._quarantine_fetch(
-                f, now, MissReason.TIMEOUT,
-                f"transfer completed {now - f.valid_until:.3f} s after its grant's validity "
-                f"window; bytes discarded")
-        if state == "done":
-            assert f.entry is not None
-            self.store.mark_ready(f.entry.mm_hash)
-            f.timings["landed"] = now
-            self._backoff = self.config.peer_backoff_s
-            return self._finish(
-                f,
-                Landed(
-                    f.mm_hash,
-                    f.entry,
-                    self.plane or "",
-                    {k: v - f.started for k, v in f.timings.items()},
-                    f.grant_id,
-                ),
-                ok=True,
-            )
-        why = f"data-plane transfer failed: {detail[:300]}" if detail else \
-            "data-plane transfer failed"
-        return self._finish(f, Miss(mm_hash, MissReason.INTERNAL, why), ok=False)
+        return self.fetches.on_read_state(mm_hash, state, now, detail)
 
     def poll(self, now: float) -> list[Command]:
-        """Apply deadlines (hello, ack, read → quarantine, quarantine → settle), retries, renewals."""
+        """Apply deadlines (Hello, answers, reads, quarantines), retries, renewals and the
+        periodic ``Sync``; then this step's completions leave together."""
         cmds: list[Command] = []
-        if self._fetches and self.failed is None and now >= self._hello_deadline:
-            self._hello_deadline = float("inf")  # one penalty per unanswered Hello
-            self._penalize(now, "no Welcome in time")
-            for f in [f for f in self._fetches.values() if f.state is FetchState.QUEUED]:
-                del self._fetches[f.mm_hash]
-                cmds.append(
-                    Report(
-                        Miss(f.mm_hash, MissReason.TIMEOUT, "no Welcome from the producer in time")
-                    )
-                )
-        for f in list(self._fetches.values()):
-            if now >= f.final_deadline or now >= f.deadline:
-                cmds += self._expire(f, now)
-        # reads on offers are not renewed: a hold's pin is not extended by Renew (§10)
-        reading = [f for f in self._fetches.values()
-                   if f.state is FetchState.READING and not f.offer]
-        if reading and now >= self._next_renew and self.welcomed:
-            lease = min(f.lease_s for f in reading)
-            cmds.append(
-                Send(
-                    self.conn,
-                    encode(
-                        Renew(
-                            v=self.version or 0,
-                            session_id=self.session_id,
-                            grant_ids=[f.grant_id for f in reading][:4096],
-                            extend_s=lease * 2 / 3,
-                        )
-                    ),
-                )
-            )
-            self._next_renew = now + lease / 6
-        for q in list(self._quarantine.values()):
-            if now >= q.deadline:
-                cmds += self._settle(q)
-        if self._batches:
-            self._prune_batches()
-        if self._offers or self.offers_on:
-            cmds += self._poll_offers(now)
-        return cmds + self._flush_dones()  # this step's completions, together (v2)
+        if (self.fetches.fetches and self.failed is None and self._hello_due is not None
+                and now >= self._hello_due):
+            self._hello_due = None  # one penalty per unanswered Hello
+            self.penalize(now, "no Welcome in time")
+            for f in self.fetches.queued():
+                del self.fetches.fetches[f.mm_hash]
+                cmds.append(Report(Miss(f.mm_hash, MissReason.TIMEOUT,
+                                        "no Welcome from the producer in time")))
+        cmds += self.fetches.poll(now)
+        self.offers.prune(now)
+        if self.offers.on and self.offers.next_sync is not None and \
+                now >= self.offers.next_sync and self.welcomed:
+            cmds += self._sync(now)
+        return cmds + self.fetches.flush()
 
     def close(self) -> list[Command]:
         """Shutdown: every fetch misses, every handle is released, local blocks freed."""
         cmds = self._fail_session(Miss("", MissReason.INTERNAL, "consumer closing"))
-        for q in list(self._quarantine.values()):
-            cmds += self._settle(q)
-        return cmds + self._flush_dones()
+        return cmds + self.fetches.settle_all() + self.fetches.flush()
 
+    # -- the connection ------------------------------------------------------------------------
+    def _go(self, event: str) -> None:
+        """Apply ``event`` to :attr:`link` (:data:`LINK_TRANSITIONS`).
 
-    # -- frames --------------------------------------------------------------------------------
+        Raises:
+            IllegalTransition: the pair is not in the table.
+        """
+        nxt = LINK_TRANSITIONS.get((self.link, event))
+        if nxt is None:
+            raise IllegalTransition(self.link, event)
+        self.link = nxt
+
+    def _hello(self, now: float) -> list[Command]:
+        self._hello_due = now + self.settings.hello_timeout_s
+        c = self.config
+        return [Send(self.conn, encode(Hello(
+            v=max(c.versions), session_id=self.session_id, node_id=c.node_id,
+            versions=list(c.versions), planes=list(c.planes), compat_hash=c.compat_hash,
+            mem_kinds=list(c.mem_kinds), localities=dict(c.localities),
+            features=self._wants_offers())))]
+
+    def _probe(self, now: float) -> list[Command]:
+        self._go("probe")
+        return self._hello(now)
+
+    def _wants_offers(self) -> list[str]:
+        """``Hello.features``: offers (ECTP v2 §10) when configured and v2 is spoken."""
+        return [FEATURE_OFFERS] if self.settings.offers and self.max_version >= 2 else []
+
+    def _sync(self, now: float) -> list[Command]:
+        self.offers.synced(now)
+        return [Send(self.conn, encode(Sync(v=self.version or 2, session_id=self.session_id,
+                                            t=max(0.0, now))))]
+
     def _on_welcome(self, msg: Welcome, now: float) -> list[Command]:
         if msg.session_id != self.session_id or self.link is not Link.GREETING:
             return []  # not ours, or not awaited (a duplicate or late Welcome): ignored
@@ -349,73 +417,59 @@ class ConsumerSession(ConsumerOffers):
             reason = NACK_REASON.get(msg.status, MissReason.INTERNAL)
             return self._fail_session(Miss("", reason, msg.detail or msg.status.name))
         if msg.version not in self.config.versions or msg.plane not in self.config.planes:
-            return self._fail_session(
-                Miss(
-                    "",
-                    MissReason.VERSION,
-                    f"producer chose version {msg.version} / plane {msg.plane!r}",
-                )
-            )
+            return self._fail_session(Miss("", MissReason.VERSION, f"producer chose version "
+                                           f"{msg.version} / plane {msg.plane!r}"))
         if self.plane is not None and msg.plane != self.plane and self.reading():
             # the handles in flight belong to the old plane: never hand them to another
             return self._fail_session(Miss(
-                "", MissReason.INTERNAL,
-                f"producer switched its data plane from {self.plane!r} to {msg.plane!r} while "
-                f"transfers were in flight"))
+                "", MissReason.INTERNAL, f"producer switched its data plane from {self.plane!r} "
+                f"to {msg.plane!r} while transfers were in flight"))
         self._welcome = msg
         self._go("welcome_ok")
-        self._hello_deadline = float("inf")  # answered; the node binds at once
+        self._hello_due = None  # answered; the node binds at once
         return [Bind(msg.plane, msg.endpoint)]
 
-    def on_bound(self, binding: Any, now: float) -> list[Command]:
-        """The node's plane accepted the Welcome's endpoint: the session is usable; queued fetches
-        send their requests.
+    def _refusal(self, mm_hash: str, now: float) -> Miss | None:
+        """Why a new fetch of ``mm_hash`` misses at once (None: it can start)."""
+        if self.failed is not None:
+            return Miss(mm_hash, self.failed.reason, self.failed.detail)
+        if self.backoff.blocked(now):
+            return Miss(mm_hash, MissReason.QUARANTINED,
+                        f"producer quarantined for {self.backoff.until - now:.1f} s more "
+                        f"after: {self.backoff.reason}")
+        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
+            return Miss(mm_hash, MissReason.INTERNAL,
+                        f"mm_hash must be 1-{MAX_HASH_LEN} characters")
+        if mm_hash in self.fetches:
+            return Miss(mm_hash, MissReason.INTERNAL, "already being fetched")
+        return None
 
-        Raises:
-            IllegalTransition: no binding was asked for (the session is not BINDING).
-        """
-        msg, self._welcome = self._welcome, None
-        self._go("bound")
-        assert msg is not None  # BINDING always holds its Welcome
-        self.binding = binding
-        self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
-        if self.blocked_until:
-            self._emit("peer_lifted")
-        self.blocked_until, self.blocked_reason, self._probe_due = 0.0, "", False
-        self._hello_deadline = float("inf")
-        self._backoff = self.config.peer_backoff_s
-        queued = [f for f in self._fetches.values() if f.state is FetchState.QUEUED]
-        cmds = self._start_offers(msg.features, now)
-        return cmds + self._send_reqs(queued, now) if queued else cmds
-
-    def on_bind_failed(self, detail: str, now: float) -> list[Command]:
-        """The node's plane refused the Welcome's endpoint (malformed, or naming what this
-        producer cannot own): this session fails — every fetch from this producer misses with
-        INCOMPATIBLE — and no other producer is affected.
-
-        Raises:
-            IllegalTransition: no binding was asked for (the session is not BINDING).
-        """
-        if self.link is not Link.BINDING:
-            raise IllegalTransition(self.link, "bind_failed")
+    def _fail_session(self, miss: Miss) -> list[Command]:
+        """Terminal: every fetch misses (reading ones are quarantined); the link is FAILED."""
+        self.failed = miss
+        cmds = self.fetches.fail_all(miss)
         self._welcome = None
-        return self._fail_session(
-            Miss("", MissReason.INCOMPATIBLE, f"producer's data-plane endpoint refused: {detail}"))
+        self.offers.stop()
+        self._go("fail")
+        return cmds
 
-    def _on_ack(self, msg: XferAck, now: float) -> list[Command]:
-        f = self._fetches.get(msg.mm_hash)
-        if (f is None or f.state is not FetchState.WAITING_ACK or f.batch_id != -1
-                or msg.session_id != self.session_id):
-            # the late grant of a request we gave up on: let the producer unpin now — once, and
-            # only for a request we really sent (never a reflection of unsolicited acks)
-            if (
-                msg.status is Status.OK
-                and msg.grant is not None
-                and msg.session_id == self.session_id
-                and (-1, msg.mm_hash) in self._abandoned
-                and f is None
-            ):
-                del self._abandoned[(-1, msg.mm_hash)]
-                return self._done(msg.mm_hash, msg.grant.grant_id, ok=False)
-            return []
-        return self._on_answer(f, msg.status, msg.grant, msg.detail, now)
+    # -- what the fetch table reports (its Connection view) -------------------------------------
+    def penalize(self, now: float, why: str) -> None:
+        """Quarantine the producer (:class:`~ectransport.session.link.PeerBackoff`)."""
+        seconds = self.backoff.penalize(now, why)
+        log.warning("producer %s quarantined for %.1f s: %s", self.conn, seconds, why,
+                    extra={"peer": self.conn, "session_id": self.session_id})
+        self.emit("peer_quarantined", seconds=seconds, why=why)
+
+    def landed(self) -> None:
+        self.backoff.succeeded()
+
+    def ignore(self, why: str, detail: str, n: int = 1) -> None:
+        """Count ``n`` items of hostile or confused input under ``why`` (never answered)."""
+        self.ignored[why] += n
+        log.warning("producer %s: ignored %s", self.conn, detail,
+                    extra={"peer": self.conn, "session_id": self.session_id})
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.observer is not None:
+            self.observer(event, {"peer": self.conn, "session_id": self.session_id, **fields})

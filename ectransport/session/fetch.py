@@ -1,25 +1,37 @@
-"""One fetch of a consumer session: its states, its record, the consumer's settings, and the
-rules a grant must pass before it is used.
+"""One fetch of a consumer session: its states (each carrying its own data), the transition
+table every state change goes through, and the rules a grant or an inline entry must pass before
+its bytes are used.
+
+States (:class:`FetchState` names the kind of each)::
+
+    Queued ──ask──► Asked ──grant──► Reading ──(done)──► reported Landed
+      │               │ ▲                │
+      │ offer         │ │ ask            └─quarantine──► Quarantined ──(settled)──► gone
+      └───────────────┼─┼──► Reading
+                      ▼ │
+                    Backoff (retryable NACK; asked again at ``retry_at``)
+
+Every other way out is a :class:`~ectransport.session.commands.Report` and the fetch leaves the
+session's table; :meth:`Fetch.go` raises :class:`IllegalFetchTransition` for a change the table
+does not list (h11's rule: never proceed silently).
 
 **Validity window** (ECTP v1 §6.3; the rule that keeps wrong bytes from ever being reported). A
 grant is used only while the consumer can prove its lease is alive, on its own clock, from a
-moment that precedes the grant: ``valid_until = (XferReq sent) + lease_s − margin`` with
+moment that precedes the grant: ``valid_until = (request sent) + lease_s − margin`` with
 ``margin = min(validity_margin_s, lease_s / 4)`` (:func:`valid_until`). The producer's lease
-starts when it issues the grant, after the request was sent, so the producer cannot have unpinned
-(or re-used) the blocks before ``valid_until``. Therefore an ack handled after ``valid_until`` is
-not used (the grant is given back with ``XferDone(ok=False)`` and the request re-sent while the
-fetch deadline allows, at most :data:`MAX_LATE_GRANTS` times), and a transfer whose completion is
-observed after it is discarded and reported as a miss (its transfer is quarantined as after a read
-timeout). ``Renew`` frames are not confirmed in v1, so the consumer never counts them: a transfer
-must complete inside the window of its own request.
+starts when it issues the grant, after the request was sent, so it cannot have unpinned (or
+re-used) the blocks before ``valid_until``. An answer handled later is not used (the grant is
+given back and the entry asked again, at most :data:`MAX_LATE_GRANTS` times), and a transfer
+whose completion is observed after it is discarded and reported as a miss (its transfer is
+quarantined as after a read timeout). ``Renew`` frames are not confirmed, so the consumer never
+counts them: a transfer must complete inside the window of its own request.
 
-**ECTP v2** (protocols/ectp-v2.md). On a session negotiated at v2 every request is a
-``ReqBatch`` (:class:`Batch` remembers what it asked), and the same window applies to a grant
-in an ``AckBatch``, counted from when that ``ReqBatch`` was sent. Each item must be answered or
-named in a ``Parked`` frame within ``ack_timeout_s`` of the send (as an ``XferReq`` in v1);
-a parked item's answer is due by :func:`parked_deadline`. An entry answered *inline* (its
-bytes in the answer, no grant) needs no window: the bytes are a copy, taken by the producer while
-it held the entry; :func:`inline_problem` is what they must pass before they are landed.
+**ECTP v2** (protocols/ectp-v2.md): the same window applies to a grant in an ``AckBatch``,
+counted from when its ``ReqBatch`` was sent. Each item must be answered or named in a ``Parked``
+frame within ``ack_timeout_s`` of the send; a parked item's answer is due by
+:func:`parked_deadline`. An entry answered *inline* (its bytes in the answer, no grant) needs no
+window — the bytes are a copy the producer took while it held the entry — but must pass
+:func:`inline_problem`.
 """
 
 from __future__ import annotations
@@ -29,13 +41,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ectransport.protocol import MAX_INLINE_BYTES, Status
+from ectransport.errors import ProtocolError
+from ectransport.protocol import MAX_INLINE_BYTES, Grant, Status
 from ectransport.session.commands import MissReason
-from ectransport.settings_schema import API
 from ectransport.store import BlockStore, Entry
 
-#: Longest lease a consumer accepts in a grant, seconds (one day). A longer one is nonsensical
-#: (and would make the validity window, and the renewals computed from it, unbounded).
+#: Longest lease a consumer accepts in a grant, seconds (one day): a longer one would make the
+#: validity window, and the renewals computed from it, unbounded.
 MAX_LEASE_S = 86400.0
 #: Shortest lease a consumer accepts, seconds: a grant that expires before a round trip could
 #: complete is useless (and would make the consumer ask again and again).
@@ -43,12 +55,185 @@ MIN_LEASE_S = 0.1
 #: How often one fetch asks again after a grant arrived past its validity window.
 MAX_LATE_GRANTS = 3
 
+
 class FetchState(enum.Enum):
-    QUEUED = "queued"  #: waiting for the connection to be welcomed
-    WAITING_ACK = "waiting_ack"
-    BACKOFF = "backoff"  #: a retryable NACK; the request is sent again at ``deadline``
-    READING = "reading"
-    QUARANTINED = "quarantined"
+    """The kind of a fetch's state (what ``fetch_states()`` and the gauges report)."""
+
+    QUEUED = "queued"  #: waiting for the connection to be welcomed and bound
+    WAITING_ACK = "waiting_ack"  #: asked; the answer (or a Parked naming it) is due
+    BACKOFF = "backoff"  #: a retryable NACK; asked again at ``retry_at``
+    READING = "reading"  #: the data-plane transfer of a usable grant
+    QUARANTINED = "quarantined"  #: given up while the DMA may still land: blocks kept
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Waiting for the link to be READY; the request leaves then."""
+
+    kind = FetchState.QUEUED
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request for the entry is out: an ``XferReq`` (``batch_id`` None) or an item of the
+    ``ReqBatch`` ``batch_id``, sent at ``sent`` (the validity window starts there); its answer,
+    or a ``Parked`` naming it, is due by ``due`` (``parked``: a Parked did, and moved ``due`` to
+    the end of the producer's wait)."""
+
+    sent: float
+    due: float
+    batch_id: int | None = None
+    parked: bool = False
+    kind = FetchState.WAITING_ACK
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A retryable NACK (``nack``): asked again at ``retry_at``. ``hurried``: a grant of ours
+    just ended, so a NACK_BUSY retry was moved to now (once)."""
+
+    retry_at: float
+    nack: Status
+    hurried: bool = False
+    kind = FetchState.BACKOFF
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The READ (or push) of grant ``grant_id`` into the local ``entry`` is posted (``handle``
+    once the plane returned it). Usable until ``valid_until``; given up at ``due``. ``offer``:
+    started on a producer's offer (ECTP v2 §10), not on an answered request."""
+
+    grant_id: int
+    lease_s: float
+    entry: Entry
+    valid_until: float
+    due: float
+    offer: bool = False
+    handle: Any = None
+    kind = FetchState.READING
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """Given up while its DMA may still land: the local ``entry`` is kept and ``handle`` is
+    released when the plane reports the transfer over, or at ``until``."""
+
+    entry: Entry | None
+    handle: Any
+    until: float
+    grant_id: int
+    kind = FetchState.QUARANTINED
+
+
+State = Queued | Asked | Backoff | Reading | Quarantined
+
+#: (state kind, event) → the kind the event leads to. Everything that changes a fetch's state
+#: goes through :meth:`Fetch.go`, which refuses any pair not listed here. Leaving the session's
+#: table (a report) is not a state: it is allowed from every state but Quarantined, whose only
+#: way out is being settled.
+FETCH_TRANSITIONS: dict[tuple[FetchState, str], FetchState] = {
+    (FetchState.QUEUED, "ask"): FetchState.WAITING_ACK,
+    (FetchState.BACKOFF, "ask"): FetchState.WAITING_ACK,
+    (FetchState.WAITING_ACK, "ask"): FetchState.WAITING_ACK,  # a grant past its window: again
+    (FetchState.WAITING_ACK, "parked"): FetchState.WAITING_ACK,
+    (FetchState.WAITING_ACK, "retryable"): FetchState.BACKOFF,
+    (FetchState.BACKOFF, "hurry"): FetchState.BACKOFF,
+    (FetchState.WAITING_ACK, "grant"): FetchState.READING,
+    (FetchState.QUEUED, "offer"): FetchState.READING,
+    (FetchState.READING, "posted"): FetchState.READING,
+    (FetchState.READING, "quarantine"): FetchState.QUARANTINED,
+}
+
+
+class IllegalFetchTransition(ProtocolError):
+    """A fetch was driven with an event its state does not allow; names both."""
+
+    def __init__(self, mm_hash: str, state: FetchState, event: str):
+        super().__init__(f"fetch {mm_hash[:12]!r}: event {event!r} is illegal in state "
+                         f"{state.name}")
+        self.state = state
+        self.event = event
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One fetch in flight, keyed by mm_hash within a session.
+
+    Attributes:
+        mm_hash: what is fetched.
+        final_deadline: the caller's deadline (session clock, seconds): reported by then.
+        started: when the fetch started.
+        state: the current :data:`State` (change it only with :meth:`go`).
+        expected_bytes: the entry's size when the caller knows it (an inline answer of another
+            size is refused); None when it does not.
+        retry_s: the current retry backoff (doubles per retryable NACK).
+        last_nack: the latest retryable NACK, reported if the deadline comes first.
+        late_grants: grants that arrived past their validity window.
+        timings: seconds on the session clock at each step (``req``, ``ack``, ``posted``,
+            ``offer``, ``landed``); reported relative to ``started``.
+    """
+
+    mm_hash: str
+    final_deadline: float
+    started: float
+    state: State = field(default_factory=Queued)
+    expected_bytes: int | None = None
+    retry_s: float = 0.0
+    last_nack: Status | None = None
+    late_grants: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> FetchState:
+        return self.state.kind
+
+    @property
+    def due(self) -> float:
+        """When this fetch must be looked at next: its state's own deadline, capped by the
+        caller's (a queued fetch waits only for the caller's)."""
+        match self.state:
+            case Asked(due=d) | Reading(due=d):
+                return min(d, self.final_deadline)
+            case Backoff(retry_at=d):
+                return min(d, self.final_deadline)
+            case Quarantined(until=d):
+                return d
+            case _:
+                return self.final_deadline
+
+    def go(self, event: str, state: State) -> None:
+        """Move to ``state`` on ``event``.
+
+        Raises:
+            IllegalFetchTransition: :data:`FETCH_TRANSITIONS` does not lead from the current
+                kind to ``state``'s kind on ``event``.
+        """
+        if FETCH_TRANSITIONS.get((self.state.kind, event)) is not state.kind:
+            raise IllegalFetchTransition(self.mm_hash, self.state.kind, event)
+        self.state = state
+
+    def relative_timings(self) -> dict[str, float]:
+        return {k: v - self.started for k, v in self.timings.items()}
+
+
+@dataclass
+class Batch:
+    """A ``ReqBatch`` sent (ECTP v2) whose items are not all answered yet.
+
+    ``items``: the mm_hashes it named; ``waiting``: those not answered yet (an answer for one
+    not in ``waiting`` is a second answer or names something never asked: ignored);
+    ``inline_max``: what it accepted inline, bytes; ``sent``: when it was sent (consumer
+    clock); ``wait_s``: the wait it asked for; ``parked``: the items a ``Parked`` frame named
+    (each once: a second naming is ignored).
+    """
+
+    items: frozenset[str]
+    waiting: set[str]
+    inline_max: int
+    sent: float
+    wait_s: float
+    parked: set[str] = field(default_factory=set)
 
 
 NACK_REASON = {
@@ -60,110 +245,6 @@ NACK_REASON = {
     Status.NACK_BAD_REQUEST: MissReason.INTERNAL,
     Status.NACK_INTERNAL: MissReason.INTERNAL,
 }
-
-
-@dataclass(frozen=True)
-class ConsumerConfig:
-    """Consumer-side settings (seconds).
-
-    Attributes:
-        node_id: this node's name, sent in Hello.
-        compat_hash: must equal the producer's.
-        planes: data planes this node can use, best first.
-        versions: protocol versions spoken.
-        ack_timeout_s: XferReq → XferAck deadline; on v2, ReqBatch → each item's answer or
-            its ``Parked`` [2 s, as vLLM's consumer_ack_timeout_s].
-        read_timeout_s: data-plane transfer deadline after the ack [20 s].
-        quarantine_s: how long a timed-out transfer keeps its local blocks [60 s].
-        hello_timeout_s: connection + Hello → Welcome deadline [5 s].
-        retry_backoff_s / retry_backoff_max_s: first and largest wait before re-sending an
-            XferReq answered NACK_NOT_READY or NACK_BUSY [0.02 s → 0.5 s, doubling].
-        peer_backoff_s / peer_backoff_max_s: peer quarantine after a failure [1 s → 60 s].
-        mem_kinds: memory kinds of the landing region, sent in Hello (``"DRAM"``, ``"VRAM"``).
-        localities: ``(plane, token)`` pairs sent in Hello: each plane's
-            ``DataTransport.locality()``, from which the producer judges reachability.
-        validity_margin_s: safety margin of the validity window (see the module docstring)
-            [0.25 s; at most a quarter of the lease].
-        request_notifications: ask the data plane to notify the producer when a transfer
-            completes (ECTP v1 §5 accepts the notification or ``XferDone`` as the completion
-            signal; this consumer always sends ``XferDone``, so the notification is only a
-            backstop for a consumer that dies between the two). Off by default: over NIXL the
-            notification is a second UCX message the READ waits for, measured +0.15 ms per
-            64 KiB fetch on a 2-core host, nothing at 8.8 MiB. [False]
-        inline_max_bytes: ECTP v2: the largest entry, bytes, this consumer accepts inline in an
-            ``AckBatch`` (sent as the ``ReqBatch``'s ``inline_max``; clamped to the wire's 1 MiB;
-            0 turns inline answers off) [64 KiB].
-        wait_margin_s: ECTP v2: a ``ReqBatch`` asks the producer to wait for entries not yet
-            ready for the fetch's remaining time minus this margin (at most a quarter of the
-            remaining time), so that a NACK_NOT_READY still arrives before the deadline [0.25 s].
-        offers: ECTP v2 §10: ask the producer for offers of the entries it announces, so that a
-            fetch given their ticket reads with no request
-            (:mod:`ectransport.session.consumer_offers`) [True].
-    """
-
-    node_id: str
-    compat_hash: str
-    planes: tuple[str, ...] = API.node.planes
-    versions: tuple[int, ...] = API.node.versions
-    ack_timeout_s: float = API.consumer.ack_timeout_s
-    read_timeout_s: float = API.consumer.read_timeout_s
-    quarantine_s: float = API.consumer.quarantine_s
-    hello_timeout_s: float = API.consumer.hello_timeout_s
-    retry_backoff_s: float = API.consumer.retry_backoff_s
-    retry_backoff_max_s: float = API.consumer.retry_backoff_max_s
-    peer_backoff_s: float = API.consumer.peer_backoff_s
-    peer_backoff_max_s: float = API.consumer.peer_backoff_max_s
-    request_notifications: bool = False
-    validity_margin_s: float = 0.25
-    localities: tuple[tuple[str, bytes], ...] = ()
-    mem_kinds: tuple[str, ...] = ("DRAM",)
-    inline_max_bytes: int = API.consumer.inline_max_bytes
-    wait_margin_s: float = 0.25
-    offers: bool = True
-
-
-@dataclass
-class Fetch:
-    """One fetch in flight (keyed by mm_hash within a session)."""
-
-    mm_hash: str
-    state: FetchState
-    deadline: float  # of the current state (ack, read, retry, quarantine)
-    final_deadline: float  # the caller's overall deadline
-    started: float
-    grant_id: int = -1
-    lease_s: float = 0.0
-    entry: Entry | None = None  # local landing blocks, keyed "<mm_hash>#<n>" in the store
-    handle: Any = None
-    retry_s: float = 0.0
-    req_sent: float = 0.0  # when the latest XferReq of this fetch was sent (consumer clock)
-    late_grants: int = 0  # grants that arrived past their validity window
-    valid_until: float = float("inf")  # end of the granted lease's validity window
-    last_nack: Status | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    batch_id: int = -1  # v2: the ReqBatch whose answer is awaited (-1: an XferReq, v1)
-    expected_bytes: int | None = None  # the entry's size when the caller knows it
-    offer: bool = False  # read on a producer's offer (ECTP v2 §10), not on an answered request
-
-
-@dataclass
-class Batch:
-    """A ``ReqBatch`` sent (ECTP v2) whose items are not all answered yet.
-
-    ``items``: the mm_hashes it named; ``waiting``: those not answered yet (an answer for one
-    not in ``waiting`` is a second answer or names something never asked: ignored);
-    ``inline_max``: what it accepted inline, bytes; ``sent``: when it was sent (consumer
-    clock); ``wait_s``: the wait it asked for; ``parked``: the items a ``Parked`` frame named
-    (each once: a second naming is ignored), whose answer is due by
-    :func:`parked_deadline` instead of ``sent + ack_timeout_s``.
-    """
-
-    items: frozenset[str]
-    waiting: set[str]
-    inline_max: int
-    sent: float = 0.0
-    wait_s: float = 0.0
-    parked: set[str] = field(default_factory=set)
 
 
 def parked_deadline(sent: float, requested_wait_s: float, parked_wait_s: float,
@@ -183,9 +264,10 @@ def valid_until(req_sent: float, lease_s: float, validity_margin_s: float) -> fl
     return req_sent + lease_s - min(validity_margin_s, lease_s / 4)
 
 
-def grant_problem(g: Any, plane: str | None, store: BlockStore) -> str:
-    """Why an OK ack's grant cannot be used ("" if it can): it must exist, match the local layout
-    and negotiated plane, and carry a finite, positive lease."""
+def grant_problem(g: Grant | None, plane: str | None, store: BlockStore) -> str:
+    """Why an OK answer's grant cannot be used ("" if it can): it must exist, match the local
+    layout (``store``'s block size; one row per block) and the negotiated ``plane``, and carry a
+    finite lease in ``[MIN_LEASE_S, MAX_LEASE_S]``."""
     if g is None:
         return "an OK ack without a grant"
     if g.plane != plane:

@@ -1,94 +1,117 @@
-"""What a producer session keeps per consumer and per grant, as plain records, and the grant key's
-wire form in data-plane notifications (:func:`notif_for` / :func:`parse_notif`)."""
+"""The producer's grants: its settings and per-plane facts, the record of each live grant, and
+:class:`GrantTable` — how one entry is answered (a grant, inline bytes, or a refusal) and how a
+grant ends, exactly once. Also the grant key's wire form in data-plane notifications
+(:func:`notif_for` / :func:`parse_notif`).
+
+Grant lifecycle (per key ``(session_id, mm_hash, grant_id)``)::
+
+    request ──► [checks] ──► PINNED under lease ──► ended exactly once, on the first of:
+                                                     data-plane notification | XferDone |
+                                                     lease expiry (poll) | consumer down
+
+An ended grant is revoked on its plane; its pin goes at once after a confirmed completion, else
+it is held back (:mod:`ectransport.session.pins`): on a revocable plane until the next poll (the
+node performed the ``Revoke`` first: no block is re-used while the plane may still send it), on
+a READ plane for ``grace_s`` — after a consumer-down counted from the later of now and the lease
+deadline, since a consumer that has not noticed the drop (a frozen process) may read until then.
+"""
 
 from __future__ import annotations
 
+import logging
+import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ectransport.protocol import Grant
-from ectransport.settings_schema import API
-from ectransport.store import Run
+from ectransport.protocol import AckItem, Grant, Status
+from ectransport.protocol.messages import MAX_GRANT_BYTES
+from ectransport.session.commands import Command, Revoke
+from ectransport.session.pins import PinLedger
+from ectransport.settings_schema import API, ProducerSettings
+from ectransport.store import BlockStore, Run
+
+log = logging.getLogger("ectransport.session.producer")
 
 #: Session ids are opaque to the producer but must not contain ':' (the notification separator).
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-#: Most batch items (ECTP v2) one consumer connection may have waiting for readiness at once;
-#: beyond it an item is answered NACK_NOT_READY at once, as in v1 (bounds the producer's memory
-#: whatever a consumer sends: 64 items per frame, frames rate-limited, waits up to 60 s).
-MAX_WAITING_PER_PEER = 1024
 
+#: ``(runs, nbytes) -> plane_grant``: a plane's description of exactly these blocks.
 Describe = Callable[[Sequence[Run], int], bytes]
+#: ``(runs, nbytes) -> bytes``: the first ``nbytes`` bytes of an entry's blocks (inline
+#: answers); the caller holds whatever lock keeps a READY entry's blocks stable.
+ReadBytes = Callable[[tuple[Run, ...], int], bytes]
+#: What the producer session tells its observer: ``(event, fields)``.
+Emit = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
 class ProducerConfig:
-    """Producer-side settings (seconds, bytes).
+    """What a producer session says of itself in Welcome, and its settings.
 
     Attributes:
-        node_id: this node's name, sent in Welcome.
-        compat_hash: see :func:`ectransport.protocol.compat_hash`.
-        planes: data planes offered, best first.
-        versions: protocol versions spoken.
-        lease_s: pin lease of a grant [30 s, as vLLM's ECCPUConnector].
-        budget_bytes: max bytes pinned per consumer identity; None = a quarter of the region.
-        grace_s: how long the blocks of a grant that ended without a confirmed completion stay
-            pinned before they may be re-allocated [5 s; the grace rule: the
-            ``ectransport.session.producer`` docstring].
-        max_wait_s: ECTP v2: the longest a batch item for a reserved, not yet ready entry waits
-            for its commit before it is answered NACK_NOT_READY; a ``ReqBatch`` asking for longer
-            is capped to it [5 s; 0 = answer at once, as v1].
-        inline_max_bytes: ECTP v2: an OK entry of at most this many bytes (and at most the
-            batch's ``inline_max``) is answered with its bytes inline, without a grant [64 KiB:
-            below it, one control frame is faster than grant + READ + XferDone].
-        hold_s: ECTP v2: how long an announced entry is held and offered [10 s; see
-            :mod:`ectransport.session.holds`].
-        hold_share: ECTP v2: the fraction of the region holds may pin [0.25].
+        node_id: this node's name. compat_hash: see :func:`ectransport.protocol.compat_hash`.
+        planes: data planes offered, best first. versions: ECTP versions spoken.
+        settings: the producer section of the settings schema (lease, budget, grace, waits,
+            inline, holds; units in the names).
     """
 
     node_id: str
     compat_hash: str
     planes: tuple[str, ...] = API.node.planes
     versions: tuple[int, ...] = API.node.versions
-    lease_s: float = API.producer.lease_s
-    budget_bytes: int | None = API.producer.budget_bytes
-    grace_s: float = API.producer.grace_s
-    max_wait_s: float = API.producer.max_wait_s
-    inline_max_bytes: int = API.producer.inline_max_bytes
-    hold_s: float = API.producer.hold_s
-    hold_share: float = API.producer.hold_share
+    settings: ProducerSettings = API.producer
+
+
+def _always(locality: bytes) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class PlaneFacts:
+    """What a producer session needs to know of one of its planes, fixed for the plane's life.
+
+    Attributes:
+        describe: the ``plane_grant`` of exactly some blocks (``DataTransport.describe``).
+        revocable: revoking a grant stops every access to its blocks before it returns
+            (producer-served PUSH planes): no grace period needed.
+        offerable: consumers read it one-sidedly: announced entries can be offered on it.
+        max_bytes: the largest transfer, bytes (None: no limit); a larger entry is refused with
+            the terminal NACK_BAD_REQUEST.
+        endpoint: the plane's declaration for Welcome (``DataTransport.endpoint()``).
+        reachable: whether a consumer whose Hello carried ``locality`` for this plane can reach
+            it (``DataTransport.reachable``); must be cheap.
+    """
+
+    describe: Describe
+    revocable: bool = False
+    offerable: bool = False
+    max_bytes: int | None = None
+    endpoint: bytes = b""
+    reachable: Callable[[bytes], bool] = _always
 
 
 @dataclass
 class PeerState:
-    """One consumer connection that said Hello (its negotiated version, plane and identity) and
-    the keys of its live grants."""
+    """One consumer connection that said Hello: its session, negotiated version and plane, and
+    the identity its pins are charged to (CURVE key, else the session id). ECTP v2 §10:
+    ``offers`` (granted in the Welcome) and ``anchor`` (the ``t`` of its newest ``Sync`` and when
+    it was received)."""
 
     peer: Any
     session_id: str
     version: int
     plane: str
-    identity: str  # budget / quarantine identity: CURVE key, else the session id
-    grants: set[tuple[str, str, int]] = field(default_factory=set)
-    by_gid: dict[int, tuple[str, str, int]] = field(default_factory=dict)  # for Renew
-    #: ECTP v2: batch id → how many of its items wait for readiness (only batches with some)
-    waiting: dict[int, int] = field(default_factory=dict)
-    #: ECTP v2 §10: the session was granted offers (then it is sent ``Offer`` frames once it has
-    #: an anchor: the ``t`` of its newest ``Sync`` and when this producer received it)
+    identity: str
     offers: bool = False
     anchor: tuple[float, float] | None = None
-
-    @property
-    def waiting_items(self) -> int:
-        return sum(self.waiting.values())
 
 
 @dataclass
 class GrantRecord:
-    """One live grant: who holds it, what it pins and charges, its lease deadline, the grant
-    itself and its ack (answered again, byte for byte, to a duplicate request; ``b""`` for a
-    grant issued in an ``AckBatch`` until a duplicate ``XferReq`` asks for it)."""
+    """One live grant: who holds it, what it pins and charges, its lease deadline, the grant and
+    its ack (answered again byte for byte to a duplicate request; ``b""`` until one asks)."""
 
     key: tuple[str, str, int]
     peer: Any
@@ -98,44 +121,17 @@ class GrantRecord:
     nbytes: int
     pinned_bytes: int
     deadline: float
-    ack: bytes
     plane: str
-    plane_grant: bytes
-    issued: float = 0.0  # when the grant was issued (observability only)
-    grant: Grant | None = None
-
-
-@dataclass(eq=False)
-class WaitingItem:
-    """ECTP v2: one item of a ``ReqBatch`` whose entry was reserved but not ready, parked until
-    the entry becomes ready, goes away, or ``until`` (session time) passes — then answered in an
-    ``AckBatch`` of ``batch_id``. ``answered`` marks it done (the deadline heap drops it lazily).
-    """
-
-    peer: Any
-    session_id: str
-    batch_id: int
-    mm_hash: str
-    v: int
-    inline_max: int
-    received: float
-    until: float
-    answered: bool = False
+    grant: Grant
+    issued: float
+    ack: bytes = b""
 
 
 @dataclass(frozen=True)
 class GrantView:
-    """A live grant as :meth:`ProducerSession.grants` reports it: a read-only copy.
-
-    Attributes:
-        key: ``(session_id, mm_hash, grant_id)``.
-        peer: the control-plane peer it was granted to.
-        identity: the budget identity charged (CURVE key, else the session id).
-        entry_id: the pinned entry's allocation id in the store.
-        nbytes: payload bytes; ``pinned_bytes``: whole blocks charged to ``identity``.
-        deadline: when the lease ends (session time, seconds; renewals move it).
-        plane / plane_grant: the data plane and its grant bytes (as ``Revoke`` will name them).
-    """
+    """A live grant as :meth:`ProducerSession.grants` reports it: a read-only copy (``key``,
+    ``peer``, charged ``identity``, ``entry_id``, ``nbytes``, ``pinned_bytes``, lease
+    ``deadline`` in session seconds, ``plane`` and ``plane_grant``)."""
 
     key: tuple[str, str, int]
     peer: Any
@@ -146,6 +142,228 @@ class GrantView:
     deadline: float
     plane: str
     plane_grant: bytes
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one entry is answered: ``status`` with ``detail``; on OK either ``grant`` (pinned under
+    a lease; ``record`` is its :class:`GrantRecord`, possibly a live one answered again) or
+    ``data`` (inline: no pin). ``cmds``: effects to perform before the answer is sent."""
+
+    status: Status
+    detail: str = ""
+    grant: Grant | None = None
+    data: bytes = b""
+    record: GrantRecord | None = None
+    cmds: tuple[Command, ...] = ()
+
+    def item(self, mm_hash: str) -> AckItem:
+        return AckItem(mm_hash=mm_hash, status=self.status, grant=self.grant, data=self.data,
+                       detail=self.detail[:1000])
+
+
+@dataclass
+class GrantTable:
+    """The live grants of a producer session (module docstring) and how one entry is answered.
+
+    Args:
+        settings: lease_s, budget_bytes (None: a quarter of the region), grace_s,
+            inline_max_bytes.
+        store: the producer's block store. ledger: where pins are charged.
+        planes: the plane facts by name. rng: source of grant ids. read: inline bytes (None:
+            never inline). stats / emit: the session's counters and observer.
+    """
+
+    settings: ProducerSettings
+    store: BlockStore
+    ledger: PinLedger
+    planes: dict[str, PlaneFacts]
+    rng: random.Random
+    read: ReadBytes | None
+    stats: dict[str, int]
+    emit: Emit
+    _grants: dict[tuple[str, str, int], GrantRecord] = field(default_factory=dict)
+    _live: dict[tuple[str, str], int] = field(default_factory=dict)  # (session, mm) -> grant id
+    _by_session: dict[str, dict[int, tuple[str, str, int]]] = field(default_factory=dict)
+
+    @property
+    def budget_bytes(self) -> int:
+        b = self.settings.budget_bytes
+        return b if b is not None else self.store.region_bytes // 4
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    def __iter__(self) -> Iterator[GrantRecord]:
+        return iter(list(self._grants.values()))
+
+    def keys_of(self, session_id: str) -> list[tuple[str, str, int]]:
+        return list(self._by_session.get(session_id, {}).values())
+
+    def live_key(self, session_id: str, mm_hash: str) -> int | None:
+        return self._live.get((session_id, mm_hash))
+
+    def renew(self, session_id: str, grant_ids: Sequence[int], extend_s: float,
+              now: float) -> None:
+        """Extend the leases of ``session_id``'s grants ``grant_ids`` to at least ``now +
+        extend_s`` (at most ``lease_s`` from now; other grant ids are ignored)."""
+        ext = max(0.0, min(float(extend_s), self.settings.lease_s))
+        mine = self._by_session.get(session_id, {})
+        for gid in grant_ids[:4096]:
+            key = mine.get(gid)
+            if key is not None:
+                g = self._grants[key]
+                g.deadline = max(g.deadline, now + ext)
+
+    def expired(self, now: float) -> list[GrantRecord]:
+        return [g for g in self._grants.values() if g.deadline <= now]
+
+    # -- answering one entry -------------------------------------------------------------------
+    def answer(self, peer: Any, state: PeerState, mm_hash: str, now: float, *,
+               inline_max: int = 0) -> Answer:
+        """Answer a request of ``state``'s session for ``mm_hash`` (its frame checks passed).
+
+        In order (ECTP v1 §8.2; v2 adds inline): a live grant for the same (session, mm_hash)
+        is answered again (no second pin); entry present (MISSING) and ready (NOT_READY); an
+        entry of at most ``min(inline_max, inline_max_bytes)`` bytes is answered inline; the
+        entry larger than the whole pin budget or the plane's largest transfer (BAD_REQUEST,
+        terminal); the budget (BUSY); a plane able to describe the blocks within the wire limit
+        (INTERNAL). Otherwise the entry is pinned under a lease of ``lease_s`` from ``now``.
+        """
+        sid, plane = state.session_id, state.plane
+        live = self._live.get((sid, mm_hash))
+        if live is not None:  # duplicate request: same grant, no second pin
+            rec = self._grants[(sid, mm_hash, live)]
+            return Answer(Status.OK, grant=rec.grant, record=rec)
+        entry = self.store.get(mm_hash)
+        if entry is None:
+            return Answer(Status.NACK_MISSING, "not in this producer's cache")
+        if not entry.ready:
+            return Answer(Status.NACK_NOT_READY, "entry allocated, save not landed yet")
+        limit_inline = min(inline_max, self.settings.inline_max_bytes)  # 0 (v1): never
+        if self.read is not None and limit_inline > 0 and entry.nbytes <= limit_inline:
+            data = self._read_inline(mm_hash, entry.runs, entry.nbytes)
+            if data is not None:
+                self.stats["inline"] += 1
+                return Answer(Status.OK, data=data)
+        pinned = entry.num_blocks * self.store.block_bytes
+        budget = self.budget_bytes
+        if pinned > budget:  # terminal: waiting cannot help
+            return Answer(Status.NACK_BAD_REQUEST, f"entry needs {pinned} bytes pinned, more "
+                          f"than this consumer's whole pin budget of {budget} bytes: it can "
+                          f"never be granted (raise the producer's budget_bytes)")
+        facts = self.planes.get(plane)
+        if facts is None:
+            return Answer(Status.NACK_INTERNAL, f"plane {plane} not available")
+        if facts.max_bytes is not None and entry.nbytes > facts.max_bytes:  # terminal as well
+            return Answer(Status.NACK_BAD_REQUEST, f"entry of {entry.nbytes} bytes exceeds the "
+                          f"{plane} plane's largest transfer ({facts.max_bytes} bytes)")
+        used = self.ledger.charged(state.identity)
+        if used + pinned > budget:
+            return Answer(Status.NACK_BUSY, f"pin budget: {used}+{pinned} > {budget} bytes")
+        entry = self.store.pin_if_ready(mm_hash)
+        assert entry is not None
+        try:
+            plane_grant = facts.describe(entry.runs, entry.nbytes)
+        except Exception as e:  # a plane bug must not leak a pin or kill the node
+            self.store.unpin(entry.mm_hash, entry.entry_id)
+            log.exception("plane %s failed to describe a grant", plane)
+            return Answer(Status.NACK_INTERNAL, f"plane error: {type(e).__name__}")
+        if len(plane_grant) > MAX_GRANT_BYTES:  # the consumer could not decode it
+            self.store.unpin(entry.mm_hash, entry.entry_id)
+            log.error("plane %s described a grant of %d bytes (limit %d) for %d runs", plane,
+                      len(plane_grant), MAX_GRANT_BYTES, len(entry.runs))
+            return Answer(Status.NACK_INTERNAL, f"grant of {len(plane_grant)} bytes for "
+                          f"{len(entry.runs)} runs exceeds the wire limit of {MAX_GRANT_BYTES} "
+                          f"bytes", cmds=(Revoke(plane, plane_grant),))
+        gid = self.rng.getrandbits(63)
+        key = (sid, mm_hash, gid)
+        grant = Grant(grant_id=gid, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
+                      block_bytes=self.store.block_bytes, lease_s=float(self.settings.lease_s),
+                      plane=plane, plane_grant=plane_grant)
+        rec = GrantRecord(key, peer, state.identity, entry.entry_id, entry.runs, entry.nbytes,
+                          pinned, now + self.settings.lease_s, plane, grant, now)
+        self._grants[key] = rec
+        self._live[(sid, mm_hash)] = gid
+        self._by_session.setdefault(sid, {})[gid] = key
+        self.ledger.charge(state.identity, pinned)
+        self.stats["grants"] += 1
+        fields = self._fields(rec)
+        log.debug("grant issued: %d bytes in %d runs over %s", entry.nbytes, len(entry.runs),
+                  plane, extra=fields)
+        self.emit("grant_issued", {**fields, "nbytes": entry.nbytes, "plane": plane,
+                                   "descriptors": len(entry.runs)})
+        return Answer(Status.OK, grant=grant, record=rec)
+
+    def _read_inline(self, mm_hash: str, runs: tuple[Run, ...], nbytes: int) -> bytes | None:
+        assert self.read is not None
+        try:
+            data = self.read(runs, nbytes)
+        except Exception:  # a region bug must not kill the node: answer with a grant
+            log.exception("reading %d bytes of %s for an inline answer failed", nbytes,
+                          mm_hash[:12])
+            return None
+        if len(data) != nbytes:
+            log.error("inline read of %s returned %d bytes, expected %d", mm_hash[:12],
+                      len(data), nbytes)
+            return None
+        return data
+
+    # -- ending a grant --------------------------------------------------------------------------
+    def end(self, key: tuple[str, str, int], why: str, now: float | None) -> list[Command]:
+        """End a grant exactly once and revoke it on its plane; ``why`` is ``completed``,
+        ``abandoned``, ``expired`` or ``released_peer_down``; ``now`` None at shutdown (pins go
+        at once). Unknown keys are counted (``late_signals``) and change nothing."""
+        g = self._grants.pop(key, None)
+        if g is None:
+            self.stats["late_signals"] += 1
+            return []
+        self._live.pop(key[:2], None)
+        mine = self._by_session.get(key[0])
+        if mine is not None:
+            mine.pop(key[2], None)
+            if not mine:
+                del self._by_session[key[0]]
+        if why == "completed" or now is None:
+            self.ledger.unpin(key[1], g.entry_id, g.identity, g.pinned_bytes)
+        else:
+            facts = self.planes.get(g.plane)
+            if facts is not None and facts.revocable:
+                until = now
+            else:  # a consumer that missed a drop (a frozen process) may read until the lease
+                start = max(now, g.deadline) if why == "released_peer_down" else now
+                until = start + max(0.0, self.settings.grace_s)
+            self.ledger.hold_back(until, key[1], g.entry_id, g.identity, g.pinned_bytes)
+        self.stats[why] += 1
+        fields = self._fields(g)
+        log.debug("grant ended: %s", why, extra=fields)
+        self.emit("grant_ended", {**fields, "why": why, "nbytes": g.nbytes, "plane": g.plane,
+                                  "held_s": None if now is None else max(0.0, now - g.issued)})
+        return [Revoke(g.plane, g.grant.plane_grant)]
+
+    @staticmethod
+    def _fields(g: GrantRecord) -> dict[str, Any]:
+        return {"peer": g.identity, "session_id": g.key[0], "mm_hash": g.key[1][:12],
+                "grant_id": g.key[2]}
+
+    def views(self) -> list[GrantView]:
+        return [GrantView(g.key, g.peer, g.identity, g.entry_id, g.nbytes, g.pinned_bytes,
+                          g.deadline, g.plane, g.grant.plane_grant)
+                for g in self._grants.values()]
+
+    def check(self, peers: dict[str, Any]) -> dict[tuple[str, int], int]:
+        """Assert the table's indices agree (``peers``: session id → peer); returns the pins it
+        holds per ``(mm_hash, entry_id)``."""
+        pins: dict[tuple[str, int], int] = {}
+        for key, g in self._grants.items():
+            assert self._live.get(key[:2]) == key[2], f"grant {key} not live"
+            assert self._by_session.get(key[0], {}).get(key[2]) == key, f"grant {key} unindexed"
+            assert peers.get(key[0]) == g.peer, f"grant {key} has no peer"
+            pins[(key[1], g.entry_id)] = pins.get((key[1], g.entry_id), 0) + 1
+        assert len(self._live) == len(self._grants), f"{len(self._live)} live index entries"
+        indexed = sum(len(v) for v in self._by_session.values())
+        assert indexed == len(self._grants), f"{indexed} grants indexed by session"
+        return pins
 
 
 def notif_for(key: tuple[str, str, int]) -> bytes:

@@ -48,3 +48,40 @@ class IllegalTransition(ProtocolError):
         super().__init__(f"consumer session: event {event!r} is illegal in state {state.name}")
         self.state = state
         self.event = event
+
+
+class PeerBackoff:
+    """The consumer's quarantine of one producer (ECTP §8.3): after a failure it blocks new
+    fetches for a backoff that doubles from ``first_s`` up to ``max_s``; the first fetch after it
+    probes with a Hello (:attr:`probe_due`); a Welcome lifts it and resets the backoff. Time is
+    a parameter (seconds on the session clock)."""
+
+    def __init__(self, first_s: float, max_s: float):
+        self.first_s = first_s
+        self.max_s = max_s
+        self.until = 0.0  #: blocked before this moment (0: never blocked since the last lift)
+        self.reason = ""
+        self.probe_due = False
+        self._next_s = first_s
+
+    def blocked(self, now: float) -> bool:
+        return now < self.until
+
+    def penalize(self, now: float, why: str) -> float:
+        """Block from ``now`` for the current backoff, then double it; returns the seconds."""
+        self.until = now + self._next_s
+        self.reason = why
+        self._next_s = min(self._next_s * 2, self.max_s)
+        self.probe_due = True
+        return self.until - now
+
+    def succeeded(self) -> None:
+        """A transfer landed: the next failure starts from the first backoff again."""
+        self._next_s = self.first_s
+
+    def lift(self) -> bool:
+        """A Welcome: unblock; returns whether a quarantine was lifted."""
+        was = bool(self.until)
+        self.until, self.reason, self.probe_due = 0.0, "", False
+        self._next_s = self.first_s
+        return was

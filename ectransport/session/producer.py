@@ -1,64 +1,53 @@
-"""ProducerSession: the sans-I/O state machine that grants, pins and unpins encoder-cache entries.
+"""ProducerSession: the sans-I/O connection object that serves encoder-cache entries to every
+consumer of a producer node.
 
-One ProducerSession serves every consumer of a producer node. Feed it decoded-or-raw frames, data-
-plane notifications, peer-down events and the time; it returns commands (:mod:`.commands`).
+Feed it frames, data-plane notifications, peer-down events, entry changes and the time; it
+returns commands (:mod:`.commands`). It owns the consumer connections that said Hello
+(:class:`~ectransport.session.grants.PeerState`) and four components with narrow interfaces:
+:class:`~ectransport.session.grants.GrantTable` (how one entry is answered, how a grant ends),
+:class:`~ectransport.session.pins.PinLedger` (pin budgets and grace periods),
+:class:`~ectransport.session.waits.WaitQueue` (ECTP v2 readiness waits) and
+:class:`~ectransport.session.holds.HoldTable` (ECTP v2 §10 announcement holds). Planes are a
+static table of facts (:class:`~ectransport.session.grants.PlaneFacts`), the region one reader.
 
-Grant lifecycle (per grant key ``(session_id, mm_hash, grant_id)``)::
+Checks on a request, in order (each failure is a NACK and takes no pin): Hello done for this
+peer (BAD_REQUEST), frame version = negotiated (VERSION, by the codec), session id non-empty and
+this connection's (BAD_REQUEST), compatibility hash (INCOMPAT); then the entry's own checks
+(:meth:`~ectransport.session.grants.GrantTable.answer`).
 
-    XferReq ──► [checks] ──► PINNED under lease ──► unpinned exactly once, on the first of:
-                                                     data-plane notification | XferDone |
-                                                     lease expiry (poll) | consumer down
-
-Checks on an XferReq, in order (each failure is a NACK and takes no pin): Hello done for this peer
-(BAD_REQUEST), frame version = negotiated (VERSION), session id non-empty and bound to this peer
-(BAD_REQUEST), compatibility hash (INCOMPAT), a live grant for the same (session, mm_hash) is
-answered again without a second pin, entry present (MISSING) and ready (NOT_READY), the entry
-larger than the peer's whole pin budget (BAD_REQUEST: terminal, it can never be granted), the
-peer's pinned-bytes budget (BUSY), a grant that fits the wire (INTERNAL).
-
-**Grace period** (ECTP v1 §8.4). On a plane whose grants cannot be revoked (one-sided READ, e.g.
-NIXL: the consumer reads the region without asking), a grant that ended other than by a confirmed
-completion (lease expiry, ``XferDone(ok=False)``, consumer down) keeps its pin for ``grace_s`` more
-seconds — after a consumer-down, counted from the later of now and the lease deadline, since a
-consumer that has not noticed the drop (a frozen process) may still use the grant until then: its
-blocks are not re-allocated while a consumer may still be reading them. On planes that serve each
-transfer themselves (PUSH: tcp, ucx, shm), ``Revoke`` stops all access before it returns; their
-pin is dropped at the next :meth:`ProducerSession.poll`, after the node performed the ``Revoke``.
-Held-back pins stay charged to the consumer's pin budget until they are dropped, so a consumer
-cannot pin more than its budget by giving grants back. Shutdown releases at once (the planes
-close next). The consumer's own rule (it uses a grant only inside ``request sent + lease −
-margin`` on its own clock) is the other half: ``ectransport.session.fetch``.
-
-**ECTP v2** (``protocols/ectp-v2.md``; a session negotiates it when both sides speak it): a
-``ReqBatch`` asks for several entries at once; items whose entry is reserved but not ready wait
-at the producer until it is ready (no NACK_NOT_READY and retry backoff); small entries are
-answered inline, with their bytes and no grant. See :mod:`.producer_batches`. An entry the producer
-*announces* (:meth:`ProducerSession.announce`) is held and offered to the sessions that asked for
-offers, so that they read it with no request (ECTP v2 §10): :mod:`.holds`.
-
-The module is split by concept: :mod:`.grants` (the settings, the per-peer and per-grant records,
-the notification form of a grant key), :mod:`.producer_state` (the state kept, its invariants, how
-one entry is answered and how a grant ends), :mod:`.producer_batches` (v2: batches, waiting
-items, inline answers), :mod:`.holds` (v2: announcement holds and offers); here: the v1 frames and
-the events.
+**ECTP v2** (``protocols/ectp-v2.md``). A ``ReqBatch`` names up to 64 entries, each answered
+exactly once in an ``AckBatch`` of its ``batch_id``: answerable items at once (grants, inline
+bytes, NACKs); an item whose entry is reserved but not ready waits (no pin) for at most
+``min(wait_s, max_wait_s)`` and is named at once in one ``Parked`` frame, then answered when the
+entry becomes ready (:meth:`ProducerSession.on_entries_changed`), NACK_MISSING when it is gone,
+NACK_NOT_READY when the wait is over. Refused as a whole (same NACK for every item, nothing
+pinned): before Hello or for another session (BAD_REQUEST), a foreign compatibility hash
+(INCOMPAT), an mm_hash named twice (BAD_REQUEST); a ``batch_id`` whose items still wait is
+refused with a ``Nack``. An announced entry (:meth:`ProducerSession.announce`) is held and
+offered to the sessions that asked for offers (ECTP v2 §10; :mod:`.holds`).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
+import random
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ectransport.protocol import (
     FEATURE_OFFERS,
+    AckItem,
     DoneBatch,
+    DoneItem,
     FrameError,
     Hello,
+    Nack,
+    Parked,
     Renew,
     ReqBatch,
     Status,
     Sync,
-    Welcome,
+    Ticket,
     XferAck,
     XferDone,
     XferReq,
@@ -66,270 +55,279 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.session.commands import Command, Send
+from ectransport.session.frames import ack_frames, offer_frames, rejection
 from ectransport.session.grants import (
-    SESSION_ID,
-    Describe,
+    Answer,
+    GrantTable,
     GrantView,
     PeerState,
+    PlaneFacts,
     ProducerConfig,
+    ReadBytes,
     notif_for,
     parse_notif,
 )
-from ectransport.session.holds import ProducerHolds
+from ectransport.session.holds import Hold, HoldTable
+from ectransport.session.negotiate import negotiate, welcome
+from ectransport.session.pins import PinLedger
+from ectransport.session.waits import WaitingItem, WaitQueue
+from ectransport.store import BlockStore
 
 log = logging.getLogger("ectransport.session.producer")
 
-__all__ = ["Describe", "GrantView", "ProducerConfig", "ProducerSession", "notif_for",
+__all__ = ["GrantView", "PlaneFacts", "ProducerConfig", "ProducerSession", "notif_for",
            "parse_notif"]
 
+_STATS = ("grants", "completed", "abandoned", "expired", "released_peer_down", "bad_frames",
+          "late_signals", "inline", "batches", "waited", "parked_frames", "offers", "syncs")
 
-class ProducerSession(ProducerHolds):
-    """Grants access to entries of ``store`` (see module docstring).
+
+class ProducerSession:
+    """Grants access to entries of ``store`` (module docstring).
 
     Args:
-        config: :class:`ProducerConfig`.
+        config: :class:`~ectransport.session.grants.ProducerConfig`.
         store: the producer's block store (shared with the node, which serialises access).
-        describers: plane name → function giving the ``plane_grant`` for a list of runs.
-        rng: source of grant ids (default: the OS CSPRNG; tests pass a seeded Random).
-        observer: optional ``(event, fields) -> None`` told what happened, for metrics and logs
-            (called synchronously; must be cheap and must not call back into the session):
-            ``grant_issued`` / ``grant_ended`` (``why``: completed, abandoned, expired,
-            released_peer_down; ``held_s``) / ``nack_sent`` (``status``) / ``lease_expired``;
-            fields carry ``peer``, ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``,
-            ``plane`` where known.
-        reachable: ``(plane, locality) -> bool``: whether that plane can reach a consumer whose
-            Hello carried ``locality`` for it (``DataTransport.reachable``); default: always.
-        endpoint: ``(plane) -> bytes``: the plane's declaration for Welcome
-            (``DataTransport.endpoint``); default ``b""``.
-        max_bytes: ``(plane) -> int | None``: the plane's ``max_transfer_bytes`` (None: no
-            limit); a larger entry is refused with the terminal NACK_BAD_REQUEST.
-        revocable: ``(plane) -> bool``: whether revoking a grant on that plane stops every access
-            to its blocks before it returns (producer-served PUSH planes); those grants need no
-            grace period. Default: no plane is (the safe assumption).
-        read: ``(runs, nbytes) -> bytes``: an entry's bytes, for v2 inline answers (called with
-            the node's lock held, so a READY entry's blocks are stable); None: never inline.
+        planes: plane name → :class:`~ectransport.session.grants.PlaneFacts`.
+        rng: source of grant and hold ids (default: the OS CSPRNG; tests pass a seeded one).
+        observer: ``(event, fields) -> None`` (synchronous, cheap, never calls back):
+            ``grant_issued``, ``grant_ended`` (``why``, ``held_s``), ``nack_sent``
+            (``status``), ``lease_expired``, ``hold_taken``, ``hold_ended``; fields carry
+            ``peer``, ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``, ``plane`` where known.
+        read: ``(runs, nbytes) -> bytes``, an entry's bytes for inline answers (called with the
+            node's lock held); None: never inline.
     """
+
+    def __init__(self, config: ProducerConfig, store: BlockStore,
+                 planes: Mapping[str, PlaneFacts], *, rng: random.Random | None = None,
+                 observer: Callable[[str, dict[str, Any]], None] | None = None,
+                 read: ReadBytes | None = None):
+        self.config = config
+        self.settings = s = config.settings
+        self.store = store
+        self.planes = dict(planes)
+        self.observer = observer
+        self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        self.nacks: dict[Status, int] = {}
+        rng = rng or random.SystemRandom()
+        self.ledger = PinLedger(store)
+        self.grants_table = GrantTable(s, store, self.ledger, self.planes, rng, read,
+                                       self.stats, self._emit)
+        self.waits = WaitQueue()
+        self.holds = HoldTable(s, store, self.ledger, self.planes, config.planes, rng,
+                               self.stats, self._emit)
+        self._peers: dict[Any, PeerState] = {}
+        self._sessions: dict[str, Any] = {}  # session_id -> peer
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self.grants_table.budget_bytes
+
+    @property
+    def active_grants(self) -> int:
+        return len(self.grants_table)
+
+    @property
+    def waiting_items(self) -> int:
+        """ECTP v2 batch items waiting for their entry to become ready (none holds a pin)."""
+        return len(self.waits)
+
+    @property
+    def grace_pins(self) -> int:
+        return self.ledger.held_back
+
+    @property
+    def active_holds(self) -> int:
+        return len(self.holds)
+
+    @property
+    def hold_plane(self) -> str | None:
+        return self.holds.plane
+
+    @property
+    def hold_cap_bytes(self) -> int:
+        return self.holds.cap_bytes
+
+    def held_bytes(self) -> int:
+        return self.holds.held_bytes()
+
+    def pinned_bytes(self, identity: str | None = None) -> int:
+        return self.ledger.total() if identity is None else self.ledger.charged(identity)
+
+    def pinned_by_identity(self) -> dict[str, int]:
+        return self.ledger.by_identity()
+
+    def grant_keys(self) -> list[tuple[str, str, int]]:
+        return [g.key for g in self.grants_table]
+
+    def grants(self) -> list[GrantView]:
+        """Every live grant (not those held back for their grace period), as copies."""
+        return self.grants_table.views()
+
+    def waits_for(self, mm_hash: str) -> bool:
+        """Whether something waits for ``mm_hash`` to change (then the node reports it with
+        :meth:`on_entries_changed` at once): a parked batch item or a pending hold."""
+        return self.waits.waits_for(mm_hash) or self.holds.waits_for(mm_hash)
+
+    def next_deadline(self) -> float | None:
+        """The earliest moment a waiting item must be answered (session time), or None."""
+        return self.waits.next_deadline()
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (for tests): grants indexed once each and held
+        by a live peer, session ids naming their peer, every pinned byte charged to an identity,
+        every pin of a live entry of the same id, every waiting item of a live v2 session.
+
+        Raises:
+            AssertionError: naming the first inconsistency found.
+        """
+        pins = self.grants_table.check(self._sessions)
+        charged: dict[str, int] = {}
+        for g in self.grants_table:
+            charged[g.identity] = charged.get(g.identity, 0) + g.pinned_bytes
+        for mm, eid, identity, n in (*self.holds.pins(), *self.ledger.held_back_pins()):
+            pins[(mm, eid)] = pins.get((mm, eid), 0) + 1
+            charged[identity] = charged.get(identity, 0) + n
+        assert charged == self.ledger.by_identity(), \
+            f"budget {self.ledger.by_identity()} != {charged}"
+        for sid, peer in self._sessions.items():
+            st = self._peers.get(peer)
+            assert st is not None and st.session_id == sid, f"session {sid} has no peer"
+        assert len(self._sessions) == len(self._peers), "a peer without its session id"
+        self.waits.check({p: (st.session_id, st.version) for p, st in self._peers.items()})
+        for (mm, eid), n in pins.items():
+            e = self.store.get(mm)
+            assert e is not None and e.entry_id == eid and e.pins >= n, (
+                f"entry {mm[:12]} ({eid}) lacks {n} pins")
 
     # -- events --------------------------------------------------------------------------------
     def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Command]:
-        """A frame from ``peer`` (``user`` = its authenticated identity, "" if none)."""
-        self._now = now
+        """A frame from ``peer`` (``user``: its authenticated identity, "" if none)."""
         state = self._peers.get(peer)
-        versions = (state.version,) if state else self.config.versions
         try:
-            msg = decode(data, versions=versions)
+            msg = decode(data, versions=(state.version,) if state else self.config.versions)
         except FrameError as e:
             self.stats["bad_frames"] += 1
             return [self._reject(peer, e, data)]
+        if isinstance(msg, Hello):
+            return self._on_hello(peer, msg, user, now)
+        if isinstance(msg, XferReq):
+            return self._on_req(peer, state, msg, now)
+        if isinstance(msg, ReqBatch):
+            return self._on_batch(peer, state, msg, now)
+        if not isinstance(msg, (Sync, DoneBatch, XferDone, Renew)):
+            return [self._nack(peer, Status.NACK_BAD_REQUEST, f"unexpected {type(msg).__name__}")]
+        if state is None or msg.session_id != state.session_id:
+            return [self._nack(peer, Status.NACK_BAD_REQUEST,
+                               f"{type(msg).__name__} for a foreign session")]
         match msg:
-            case Hello():
-                return self._on_hello(peer, msg, user)
-            case XferReq():
-                return self._on_req(peer, state, msg, now)
-            case ReqBatch():
-                return self._on_batch(peer, state, msg, now)
             case Sync():
                 return self._on_sync(peer, state, msg, now)
-            case DoneBatch():
-                if state is None or msg.session_id != state.session_id:
-                    return [self._nack(peer, Status.NACK_BAD_REQUEST,
-                                       "DoneBatch for a foreign session")]
-                cmds: list[Command] = []
-                for it in msg.items:  # each exactly as an XferDone
-                    if not self._hold_done(it):
-                        cmds += self._release((msg.session_id, it.mm_hash, it.grant_id),
-                                              "completed" if it.ok else "abandoned", now)
-                return cmds
-            case XferDone():
-                if state is None or msg.session_id != state.session_id:
-                    return [
-                        self._nack(peer, Status.NACK_BAD_REQUEST, "XferDone for a foreign session")
-                    ]
-                if self._hold_done(msg):
-                    return []
-                why = "completed" if msg.ok else "abandoned"
-                return self._release((msg.session_id, msg.mm_hash, msg.grant_id), why, now)
             case Renew():
-                if state is None or msg.session_id != state.session_id:
-                    return [
-                        self._nack(peer, Status.NACK_BAD_REQUEST, "Renew for a foreign session")
-                    ]
-                ext = max(0.0, min(float(msg.extend_s), self.config.lease_s))
-                for gid in msg.grant_ids[:4096]:
-                    key = state.by_gid.get(gid)
-                    if key is not None:
-                        g = self._grants[key]
-                        g.deadline = max(g.deadline, now + ext)
+                self.grants_table.renew(state.session_id, msg.grant_ids, msg.extend_s, now)
                 return []
-            case _:
-                return [
-                    self._nack(peer, Status.NACK_BAD_REQUEST, f"unexpected {type(msg).__name__}")
-                ]
+            case XferDone():
+                return self._on_done(state, msg, now)
+            case DoneBatch():
+                return [c for it in msg.items for c in self._on_done(state, it, now)]
+        return []
 
     def on_notification(self, notif: bytes, now: float) -> list[Command]:
-        """A data-plane completion notification (``notif`` bytes as built by :func:`notif_for`)."""
-        self._now = now
+        """A data-plane completion notification (bytes as built by :func:`notif_for`)."""
         key = parse_notif(notif)
-        return self._release(key, "completed", now) if key is not None else []
+        return self.grants_table.end(key, "completed", now) if key is not None else []
 
     def on_peer_down(self, peer: Any, now: float) -> list[Command]:
-        """The consumer went away: release its grants at once instead of waiting for leases, and
-        drop its batch items still waiting (unanswered: nobody is left to read the answer)."""
-        if peer not in self._peers:
+        """The consumer went away: its grants end at once (not at their leases) and its
+        waiting items are dropped unanswered (nobody is left to read the answer)."""
+        state = self._peers.pop(peer, None)
+        if state is None:
             return []
-        self._drop_waiting(peer)
-        state = self._peers.pop(peer)
+        self.waits.drop_peer(peer)
         self._sessions.pop(state.session_id, None)
+        return [c for key in self.grants_table.keys_of(state.session_id)
+                for c in self.grants_table.end(key, "released_peer_down", now)]
+
+    def on_entries_changed(self, mm_hashes: Collection[str], now: float) -> list[Command]:
+        """Entries changed in the store (ready, discarded or evicted): answer the batch items
+        waiting for them, take the holds pending on them. Unknown mm_hashes are no-ops."""
+        answers: dict[tuple[Any, int], tuple[WaitingItem, list[AckItem]]] = {}
         cmds: list[Command] = []
-        for key in list(state.grants):
-            cmds += self._release(key, "released_peer_down", now)
-        return cmds
+        for mm in dict.fromkeys(mm_hashes):
+            if not self.waits.waits_for(mm):
+                continue
+            entry = self.store.get(mm)
+            if entry is not None and not entry.ready:
+                continue  # still being saved: keep waiting
+            for w in self.waits.take(mm):
+                st = self._peers.get(w.peer)
+                assert st is not None and st.session_id == w.session_id  # dropped with its peer
+                a = (Answer(Status.NACK_MISSING,
+                            "entry discarded while waiting (save aborted, or evicted)")
+                     if entry is None else
+                     self.grants_table.answer(w.peer, st, mm, now, inline_max=w.inline_max))
+                cmds += a.cmds
+                self._collect(w, a, answers)
+        taken, more = self.holds.take_pending(mm_hashes, now, self._takers())
+        return cmds + self._answer_frames(answers) + more + self._offer_all(taken)
+
+    def announce(self, mm_hash: str, now: float) -> tuple[Ticket | None, list[Command]]:
+        """Announce ``mm_hash``: hold it (or renew its hold) and offer it to the sessions that
+        take offers. Returns the ticket (``hold_id`` 0 when no hold can be taken; None if the
+        entry is not in the store) and the commands (``Offer`` sends; ``Revoke`` of a
+        description refused)."""
+        hid, taken, cmds = self.holds.announce(mm_hash, now, self._takers())
+        if hid is None:
+            return None, []
+        ticket = Ticket(producer=self.config.node_id, hold_id=hid, mm_hash=mm_hash)
+        return ticket, cmds + self._offer_all(taken)
 
     def poll(self, now: float) -> list[Command]:
-        """Sweep every lease (an expired grant ends exactly once), every grace period (its pin
-        is dropped) and every waiting batch item (answered if its entry became ready or went
-        away unreported, NACK_NOT_READY once its wait is over)."""
-        self._now = now
-        cmds: list[Command] = self._sweep_waiting(now) if self._wait_heap else []
-        if self._holds or self._pending_holds:
-            cmds += self._expire_holds(now)
-        while self._grace and self._grace[0][0] <= now:
-            _, mm_hash, entry_id, identity, nbytes = heapq.heappop(self._grace)
-            self.store.unpin(mm_hash, entry_id)
-            self._uncharge(identity, nbytes)
-        for key in [k for k, g in self._grants.items() if g.deadline <= now]:
-            g = self._grants[key]
-            fields = {
-                "peer": g.identity,
-                "session_id": key[0],
-                "mm_hash": key[1][:12],
-                "grant_id": key[2],
-            }
-            log.warning(
-                "lease expired: session=%s mm_hash=%s grant=%d",
-                key[0][:8],
-                key[1][:12],
-                key[2],
-                extra=fields,
-            )
-            self._emit("lease_expired", fields, nbytes=g.nbytes, plane=g.plane)
-            cmds += self._release(key, "expired", now)
+        """Sweep the waits (changes unreported, waits over: NACK_NOT_READY), the holds, the
+        grace periods and every lease (an expired grant ends exactly once)."""
+        cmds: list[Command] = []
+        if len(self.waits):
+            cmds += self.on_entries_changed(self.waits.mm_hashes(), now)
+            answers: dict[tuple[Any, int], tuple[WaitingItem, list[AckItem]]] = {}
+            for w in self.waits.due(now):
+                self._collect(w, Answer(Status.NACK_NOT_READY, f"entry allocated, save not "
+                                        f"landed after waiting {now - w.received:.3g} s"),
+                              answers)
+            cmds += self._answer_frames(answers)
+        cmds += self.holds.expire(now)
+        self.ledger.release_due(now)
+        for g in self.grants_table.expired(now):
+            fields = GrantTable._fields(g)
+            log.warning("lease expired: session=%s mm_hash=%s grant=%d", g.key[0][:8],
+                        g.key[1][:12], g.key[2], extra=fields)
+            self._emit("lease_expired", {**fields, "nbytes": g.nbytes, "plane": g.plane})
+            cmds += self.grants_table.end(g.key, "expired", now)
         return cmds
 
     def close(self) -> list[Command]:
-        """Release every grant and drop every grace pin (shutdown: the planes close next, so
-        nothing can be served from the blocks any more); waiting batch items are dropped."""
-        self._clear_waiting()
-        cmds: list[Command] = self._close_holds()
-        for key in list(self._grants):
-            cmds += self._release(key, "released_peer_down", None)
-        for _, mm_hash, entry_id, identity, nbytes in self._grace:
-            self.store.unpin(mm_hash, entry_id)
-            self._uncharge(identity, nbytes)
-        self._grace.clear()
+        """Shutdown: every grant and hold ends and every pin goes (the planes close next);
+        waiting items are dropped."""
+        self.waits.clear()
+        cmds = self.holds.close()
+        for g in self.grants_table:
+            cmds += self.grants_table.end(g.key, "released_peer_down", None)
+        self.ledger.release_all()
         return cmds
 
     # -- handlers ------------------------------------------------------------------------------
-    def _on_hello(self, peer: Any, msg: Hello, user: str) -> list[Command]:
-        cfg = self.config
-
-        def welcome(status: Status, version: int = 0, plane: str = "", detail: str = "",
-                    endpoint: bytes = b"", features: tuple[str, ...] = ()) -> Send:
-            if status is not Status.OK:
-                self.nacks[status] = self.nacks.get(status, 0) + 1
-                self._emit(
-                    "nack_sent",
-                    {
-                        "peer": user or msg.session_id,
-                        "session_id": msg.session_id,
-                        "mm_hash": "",
-                        "grant_id": -1,
-                    },
-                    status=status.name,
-                    detail=detail,
-                )
-            return Send(
-                peer,
-                encode(
-                    Welcome(
-                        v=max(cfg.versions),
-                        session_id=msg.session_id,
-                        node_id=cfg.node_id,
-                        status=status,
-                        version=version,
-                        plane=plane,
-                        versions=list(cfg.versions),
-                        planes=list(cfg.planes),
-                        compat_hash=cfg.compat_hash,
-                        detail=detail[:1000],
-                        endpoint=endpoint,
-                        features=list(features),
-                    )
-                ),
-            )
-
-        if not SESSION_ID.fullmatch(msg.session_id):
-            return [
-                welcome(
-                    Status.NACK_BAD_REQUEST,
-                    detail="session id must be 1-128 characters of [A-Za-z0-9_-]",
-                )
-            ]
+    def _on_hello(self, peer: Any, msg: Hello, user: str, now: float) -> list[Command]:
         owner = self._sessions.get(msg.session_id)
-        # a reconnect (new route) may take its session over only with the same identity
-        if (
-            owner is not None
-            and owner != peer
-            and self._peers[owner].identity != (user or msg.session_id)
-        ):
-            return [welcome(Status.NACK_BAD_REQUEST, detail="session id bound to another peer")]
-        if msg.compat_hash != cfg.compat_hash:
-            return [
-                welcome(
-                    Status.NACK_INCOMPAT,
-                    detail=(
-                        f"compatibility hash mismatch: producer {cfg.compat_hash[:12]}, "
-                        f"consumer {msg.compat_hash[:12]} (model/dtype/hidden/layout differ)"
-                    ),
-                )
-            ]
-        common = set(cfg.versions) & set(msg.versions)
-        if not common:
-            return [
-                welcome(
-                    Status.NACK_VERSION,
-                    detail=(
-                        f"no common protocol version: producer speaks {sorted(cfg.versions)}, "
-                        f"consumer {sorted(msg.versions)}"
-                    ),
-                )
-            ]
-        common_planes = [p for p in msg.planes if p in cfg.planes]
-        plane = next((p for p in common_planes if self._can_reach(p, msg.localities.get(p, b""))),
-                     None)
-        if plane is None and common_planes:
-            return [
-                welcome(
-                    Status.NACK_INCOMPAT,
-                    detail=(
-                        f"no common data plane can reach this consumer: {common_planes} are "
-                        f"common, but each is out of reach (another host or namespace); "
-                        f"producer offers {list(cfg.planes)}, consumer offers {list(msg.planes)}"
-                    ),
-                )
-            ]
-        if plane is None:
-            return [
-                welcome(
-                    Status.NACK_INCOMPAT,
-                    detail=(
-                        f"no common data plane: producer offers {list(cfg.planes)}, "
-                        f"consumer offers {list(msg.planes)}"
-                    ),
-                )
-            ]
+        other = owner is not None and owner != peer and \
+            self._peers[owner].identity != (user or msg.session_id)
+        n = negotiate(msg, self.config, self.planes, taken_by_other=other)
+        if n.status is not Status.OK:
+            self.nacks[n.status] = self.nacks.get(n.status, 0) + 1
+            self._emit("nack_sent", {"peer": user or msg.session_id, "session_id": msg.session_id,
+                                     "mm_hash": "", "grant_id": -1, "status": n.status.name,
+                                     "detail": n.detail})
+            return [Send(peer, welcome(msg, self.config, n.status, detail=n.detail))]
         cmds: list[Command] = []
-        now = self._now if self._now is not None else 0.0
         if owner is not None and owner != peer:
             cmds += self.on_peer_down(owner, now)  # reconnect: the old route's grants end
         old = self._peers.get(peer)
@@ -337,20 +335,32 @@ class ProducerSession(ProducerHolds):
             cmds += self.on_peer_down(peer, now)  # a new session on this connection supersedes
         state = self._peers.get(peer)
         if state is None:
-            state = PeerState(peer, msg.session_id, max(common), plane, user or msg.session_id)
+            state = PeerState(peer, msg.session_id, n.version, n.plane, user or msg.session_id)
             self._peers[peer] = state
             self._sessions[msg.session_id] = peer
-        try:
-            endpoint = self._endpoint(state.plane)
-        except Exception as e:  # a plane bug must not kill the node
-            log.exception("plane %s failed to declare its endpoint", state.plane)
-            return [*cmds, welcome(Status.NACK_INTERNAL, detail=f"plane error: {type(e).__name__}")]
-        state.offers = self._grants_offers(state, msg.features)
+        facts = self.planes.get(state.plane)
+        state.offers = (FEATURE_OFFERS in msg.features and state.version >= 2
+                        and self.holds.plane is not None and state.plane == self.holds.plane)
         state.anchor = None  # a new Welcome: the consumer forgot its offers and Sync stamps
-        return [*cmds, welcome(Status.OK, state.version, state.plane, endpoint=endpoint,
-                               features=(FEATURE_OFFERS,) if state.offers else ())]
+        return [*cmds, Send(peer, welcome(msg, self.config, Status.OK, state.version,
+                                          state.plane, endpoint=facts.endpoint if facts else b"",
+                                          features=(FEATURE_OFFERS,) if state.offers else ()))]
 
-    def _on_req(self, peer: Any, state: PeerState | None, msg: XferReq, now: float) -> list[Command]:
+    def _frame_problem(self, state: PeerState | None, session_id: str,
+                       compat_hash: str) -> tuple[Status, str] | None:
+        """The request-wide checks: Hello first, this connection's session, the hash."""
+        if state is None:
+            return Status.NACK_BAD_REQUEST, "send Hello first"
+        if not session_id:
+            return Status.NACK_BAD_REQUEST, "empty session id"
+        if session_id != state.session_id:
+            return Status.NACK_BAD_REQUEST, "session id is not this connection's session"
+        if compat_hash != self.config.compat_hash:
+            return Status.NACK_INCOMPAT, "compatibility hash mismatch"
+        return None
+
+    def _on_req(self, peer: Any, state: PeerState | None, msg: XferReq,
+                now: float) -> list[Command]:
         def ack(status: Status, detail: str) -> list[Command]:
             self._count_nack(status, detail, state.identity if state else str(peer),
                              msg.session_id, msg.mm_hash)
@@ -358,20 +368,147 @@ class ProducerSession(ProducerHolds):
                                               mm_hash=msg.mm_hash, status=status, grant=None,
                                               detail=detail)))]
 
-        if state is None:
-            return ack(Status.NACK_BAD_REQUEST, "send Hello first")
-        if not msg.session_id:
-            return ack(Status.NACK_BAD_REQUEST, "empty session id")
-        if msg.session_id != state.session_id:
-            return ack(Status.NACK_BAD_REQUEST, "session id is not this connection's session")
-        if msg.compat_hash != self.config.compat_hash:
-            return ack(Status.NACK_INCOMPAT, "compatibility hash mismatch")
-        a = self._answer(peer, state, msg.mm_hash, now)
+        bad = self._frame_problem(state, msg.session_id, msg.compat_hash)
+        if bad is not None:
+            return ack(*bad)
+        assert state is not None
+        a = self.grants_table.answer(peer, state, msg.mm_hash, now)
         if a.status is not Status.OK:
             return [*a.cmds, *ack(a.status, a.detail)]
         rec = a.record
-        assert rec is not None and rec.grant is not None  # OK without inline: a grant
+        assert rec is not None  # OK without inline (v1): a grant
         if not rec.ack:  # a new grant, or one issued in an AckBatch: its XferAck, once
             rec.ack = encode(XferAck(v=msg.v, session_id=msg.session_id, mm_hash=msg.mm_hash,
                                      status=Status.OK, grant=rec.grant, detail=""))
         return [Send(peer, rec.ack)]
+
+    def _on_batch(self, peer: Any, state: PeerState | None, msg: ReqBatch,
+                  now: float) -> list[Command]:
+        self.stats["batches"] += 1
+
+        def refuse(status: Status, detail: str) -> list[Command]:
+            for it in msg.items:
+                self._count_nack(status, detail, state.identity if state else str(peer),
+                                 msg.session_id, it.mm_hash)
+            return self._acks(peer, msg.v, msg.session_id, msg.batch_id,
+                              [AckItem(mm_hash=it.mm_hash, status=status, grant=None, data=b"",
+                                       detail=detail) for it in msg.items])
+
+        bad = self._frame_problem(state, msg.session_id, msg.compat_hash)
+        if bad is not None:
+            return refuse(*bad)
+        assert state is not None
+        if left := self.waits.waiting_in(peer, msg.batch_id):
+            return [self._nack(peer, Status.NACK_BAD_REQUEST, f"batch {msg.batch_id} still has "
+                               f"{left} item(s) waiting: batch ids must not be reused before "
+                               f"every item of the batch was answered")]
+        names = [it.mm_hash for it in msg.items]
+        if len(set(names)) != len(names):
+            dup = next(mm for i, mm in enumerate(names) if mm in names[:i])
+            return refuse(Status.NACK_BAD_REQUEST, f"mm_hash {dup[:64]!r} appears more than once "
+                          f"in the batch: name each entry once")
+        wait_s = max(0.0, min(float(msg.wait_s), self.settings.max_wait_s))
+        items: list[AckItem] = []
+        parked: list[str] = []
+        cmds: list[Command] = []
+        for mm in names:
+            a = self.grants_table.answer(peer, state, mm, now, inline_max=msg.inline_max)
+            cmds += a.cmds
+            if a.status is Status.NACK_NOT_READY and wait_s > 0 and self.waits.has_room(peer):
+                self.waits.park(WaitingItem(peer, state.session_id, msg.batch_id, mm, msg.v,
+                                            msg.inline_max, now, now + wait_s))
+                self.stats["waited"] += 1
+                parked.append(mm)
+                continue
+            if a.status is not Status.OK:
+                self._count_nack(a.status, a.detail, state.identity, msg.session_id, mm)
+            items.append(a.item(mm))
+        cmds += self._acks(peer, msg.v, msg.session_id, msg.batch_id, items)
+        if parked:  # every item is answered or named parked in this step (ECTP v2 §4.3)
+            self.stats["parked_frames"] += 1
+            cmds.append(Send(peer, encode(Parked(v=msg.v, session_id=msg.session_id,
+                                                 batch_id=msg.batch_id, items=parked,
+                                                 wait_s=wait_s))))
+        return cmds
+
+    def _on_done(self, state: PeerState, msg: XferDone | DoneItem, now: float) -> list[Command]:
+        if self.holds.served(msg.grant_id, msg.mm_hash, msg.ok):
+            return []
+        return self.grants_table.end((state.session_id, msg.mm_hash, msg.grant_id),
+                                     "completed" if msg.ok else "abandoned", now)
+
+    def _on_sync(self, peer: Any, state: PeerState, msg: Sync, now: float) -> list[Command]:
+        if not state.offers:
+            return [self._nack(peer, Status.NACK_BAD_REQUEST,
+                               "Sync on a session not granted offers")]
+        self.stats["syncs"] += 1
+        first = state.anchor is None
+        state.anchor = (float(msg.t), now)
+        if not first:
+            return []
+        # the first Sync: offers of every live hold, and the entries announced while no
+        # session took offers are held now (and offered to all)
+        cmds = self._offer_frames(state, self.holds.live(now))
+        taken, more = self.holds.take_pending(self.holds.pending(), now, True)
+        return cmds + more + self._offer_all(taken)
+
+    # -- frames --------------------------------------------------------------------------------
+    def _collect(self, w: WaitingItem, a: Answer,
+                 answers: dict[tuple[Any, int], tuple[WaitingItem, list[AckItem]]]) -> None:
+        """Add a parked item's answer to its batch's next ``AckBatch``."""
+        st = self._peers.get(w.peer)
+        if st is not None and a.status is not Status.OK:
+            self._count_nack(a.status, a.detail, st.identity, w.session_id, w.mm_hash)
+        answers.setdefault((w.peer, w.batch_id), (w, []))[1].append(a.item(w.mm_hash))
+
+    def _answer_frames(self, answers: dict[tuple[Any, int], tuple[WaitingItem, list[AckItem]]],
+                       ) -> list[Command]:
+        return [c for (peer, bid), (w, items) in answers.items()
+                for c in self._acks(peer, w.v, w.session_id, bid, items)]
+
+    def _acks(self, peer: Any, v: int, session_id: str, batch_id: int,
+              items: list[AckItem]) -> list[Command]:
+        return list(ack_frames(peer, v, session_id, batch_id, items))
+
+    def _takers(self) -> bool:
+        """Whether some session would be offered a hold now (granted offers, has an anchor)."""
+        return any(st.offers and st.anchor is not None for st in self._peers.values())
+
+    def _offer_all(self, holds: list[Hold]) -> list[Command]:
+        """``Offer`` frames of ``holds`` to every session that takes them (has an anchor)."""
+        if not holds:
+            return []
+        return [c for st in self._peers.values() if st.offers and st.anchor is not None
+                for c in self._offer_frames(st, holds)]
+
+    def _offer_frames(self, st: PeerState, holds: list[Hold]) -> list[Command]:
+        self.stats["offers"] += sum(h.grant.plane == st.plane for h in holds)
+        return list(offer_frames(st, holds))
+
+    def _count_nack(self, status: Status, detail: str, peer: str, session_id: str,
+                    mm_hash: str) -> None:
+        self.nacks[status] = self.nacks.get(status, 0) + 1
+        self._emit("nack_sent", {"peer": peer, "session_id": session_id,
+                                 "mm_hash": mm_hash[:12], "grant_id": -1,
+                                 "status": status.name, "detail": detail})
+
+    def _nack(self, peer: Any, status: Status, detail: str) -> Send:
+        """A ``Nack`` frame, at the peer's session version (before a session, the lowest
+        version spoken: ``Nack`` exists in every version)."""
+        self.nacks[status] = self.nacks.get(status, 0) + 1
+        state = self._peers.get(peer)
+        v = state.version if state else min(self.config.versions)
+        return Send(peer, encode(Nack(v=v, status=status, detail=detail)))
+
+    def _reject(self, peer: Any, err: FrameError, data: bytes) -> Send:
+        """Answer a frame that did not decode (:func:`~.frames.rejection`)."""
+        state = self._peers.get(peer)
+        v = state.version if state else min(self.config.versions)
+        send, n = rejection(peer, err, data, v, v2=state is not None and state.version >= 2,
+                            waiting=lambda bid: self.waits.waiting_in(peer, bid) > 0)
+        self.nacks[err.status] = self.nacks.get(err.status, 0) + n
+        return send
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        if self.observer is not None:
+            self.observer(event, fields)

@@ -13,6 +13,8 @@ from ectransport.session import (
     ProducerSession,
     Send,
 )
+from ectransport.session.grants import PlaneFacts
+from ectransport.settings_schema import ConsumerSettings, ProducerSettings
 from ectransport.store import BlockStore
 
 HIDDEN = 8
@@ -24,15 +26,28 @@ def describe(runs, nbytes):
     return repr([(r.start, r.count) for r in runs]).encode()
 
 
+def producer_config(node_id="p", compat=COMPAT, **kw) -> ProducerConfig:
+    """A producer session's config: identity fields as given, the rest are settings."""
+    own = {k: kw.pop(k) for k in ("planes", "versions") if k in kw}
+    return ProducerConfig(node_id=node_id, compat_hash=compat, settings=ProducerSettings(**kw),
+                          **own)
+
+
 def make_producer(num_blocks=64, **kw) -> tuple[ProducerSession, BlockStore]:
     store = BlockStore(num_blocks, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=kw.pop("compat", COMPAT), **kw)
-    return ProducerSession(cfg, store, {"nixl": describe}, rng=random.Random(7)), store
+    return ProducerSession(producer_config(**kw), store, {"nixl": PlaneFacts(describe)},
+                           rng=random.Random(7)), store
+
+
+def consumer_config(node_id="c", compat=COMPAT, **kw) -> ConsumerConfig:
+    """A consumer session's config: identity fields as given, the rest are settings."""
+    own = {k: kw.pop(k) for k in ("planes", "versions", "localities", "mem_kinds") if k in kw}
+    return ConsumerConfig(node_id=node_id, compat_hash=compat, settings=ConsumerSettings(**kw),
+                          **own)
 
 
 def make_consumer(conn="c1", num_blocks=64, now=0.0, **kw) -> ConsumerSession:
-    cfg = ConsumerConfig(node_id="c", compat_hash=kw.pop("compat", COMPAT), **kw)
-    return ConsumerSession(cfg, conn, BlockStore(num_blocks, BLOCK), now)
+    return ConsumerSession(consumer_config(**kw), conn, BlockStore(num_blocks, BLOCK), now)
 
 
 def put(store: BlockStore, mm_hash: str, rows: int, ready=True):

@@ -150,7 +150,7 @@ def test_ack_timeout_and_late_grant_released():
     assert isinstance(done, XferDone) and not done.ok
     p.on_frame("peer1", out[0].data, 2.3)
     assert pstore.get("a").pins == 1 and p.active_grants == 0  # ended; the grace pin holds
-    p.poll(2.3 + p.config.grace_s)
+    p.poll(2.3 + p.settings.grace_s)
     assert pstore.get("a").pins == 0
 
 
@@ -202,7 +202,7 @@ def test_read_error_frees_blocks_and_tells_producer():
     for s in msgs(out):
         p.on_frame("peer1", encode(s), 0.3)
     assert p.active_grants == 0 and pstore.get("a").pins == 1  # abandoned: grace pin
-    p.poll(0.3 + p.config.grace_s)
+    p.poll(0.3 + p.settings.grace_s)
     assert pstore.get("a").pins == 0
 
 
@@ -232,7 +232,7 @@ def test_no_space_locally_returns_grant():
     for s in msgs(out):
         p.on_frame("peer1", encode(s), 0.1)
     assert p.active_grants == 0
-    p.poll(0.1 + p.config.grace_s)
+    p.poll(0.1 + p.settings.grace_s)
     assert pstore.get("big").pins == 0
 
 
@@ -340,7 +340,7 @@ def test_peer_backoff_doubles_and_is_capped_and_welcome_resets_it():
     c2 = make_consumer(ack_timeout_s=1.0, peer_backoff_s=1.0, peer_backoff_max_s=4.0)
     durations = []
     for t in (0.0, 10.0, 20.0, 30.0, 40.0):  # consecutive failures without a Welcome
-        c2._penalize(t, "test")
+        c2.penalize(t, "test")
         durations.append(c2.blocked_until - t)
     assert durations == [1.0, 2.0, 4.0, 4.0, 4.0]
 
@@ -459,7 +459,7 @@ def _reuse_blocks(p, pstore, now):
     """The producer's lease runs out, its grace ends, and another entry takes a's blocks."""
     old = pstore.get("a")
     p.poll(now)
-    p.poll(now + p.config.grace_s)
+    p.poll(now + p.settings.grace_s)
     assert pstore.get("a").pins == 0
     pstore.discard("a")
     new = put(pstore, "b", 2)
@@ -547,7 +547,7 @@ def test_landing_keys_do_not_collide_across_producers():
 def test_grants_that_always_arrive_late_end_in_a_miss_not_a_request_storm():
     """A producer (or a link) whose grants are always past their validity window: the consumer
     asks again a bounded number of times, then misses."""
-    from ectransport.session.consumer import MAX_LATE_GRANTS
+    from ectransport.session.fetch import MAX_LATE_GRANTS
 
     p, pstore, c, ack = _granted(lease_s=1.0)
     t, asked = 2.0, 0

@@ -177,7 +177,7 @@ def test_ready_items_first_then_a_parked_one_in_a_later_frame_of_the_same_batch(
     assert frames(c.poll(5.0)) == [] and c.ignored == {}
     out = c.on_frame(acks(c, b.batch_id, ok("parked", 2)), 6.0)
     assert [x.key for x in out if isinstance(x, PostRead)] == ["parked"]
-    assert c._batches == {}  # every item answered: the batch is forgotten
+    assert len(c.batches) == 0  # every item answered: the batch is forgotten
 
 
 def test_not_ready_after_a_real_wait_is_asked_again_at_once_in_a_new_batch():
@@ -369,7 +369,7 @@ def test_the_late_grant_of_an_abandoned_item_is_given_back_once_nothing_else_ref
     (m,) = reports(c.poll(0.5))
     assert m.reason is MissReason.TIMEOUT
     c.poll(0.6)
-    assert c._batches == {}
+    assert len(c.batches) == 0
     late = acks(c, b.batch_id, ok("a", 8))
     (done,) = frames(c.on_frame(late, 0.7) + c.poll(0.7))
     assert isinstance(done, XferDone) and done.grant_id == 8 and not done.ok
@@ -384,7 +384,7 @@ def test_state_stays_bounded_under_a_flood_of_stray_answers():
         c.on_frame(acks(c, b.batch_id + 10_000, ok(f"m{i}", i + 1)), float(i))
         c.on_frame(acks(c, b.batch_id, nack(f"m{i}", Status.NACK_MISSING)), float(i))
         c.poll(float(i))
-    assert c.in_flight() == 0 and c._batches == {} and len(c._abandoned) == 0
+    assert c.in_flight() == 0 and len(c.batches) == 0 and c.batches.abandoned == 0
     assert c.ignored["unknown_batch"] == 300
 
 
@@ -393,7 +393,7 @@ def test_peer_down_forgets_the_batches():
     ready_v2(c)
     c.fetch_many(["a", "b"], 0.0, 10.0)
     out = c.on_peer_down(0.1)
-    assert {m.mm_hash for m in reports(out)} == {"a", "b"} and c._batches == {}
+    assert {m.mm_hash for m in reports(out)} == {"a", "b"} and len(c.batches) == 0
 
 
 def test_xferack_on_a_v2_session_answers_no_batch_item():
@@ -538,7 +538,7 @@ def test_a_parked_frame_is_not_answered_and_a_v1_session_refuses_it():
         decode(raw, versions=(1,))
     assert e.value.status is Status.NACK_VERSION
     assert c.on_frame(raw, 0.1) == [] and c.on_frame(park(c, 1, "a"), 0.1) == []
-    assert c._fetches["a"].deadline == 2.0  # the v1 ack timeout stands
+    assert c._fetches["a"].due == 2.0  # the v1 ack timeout stands
 
 
 @pytest.mark.parametrize("case", ["foreign_session", "unknown_batch", "not_in_batch", "twice",
@@ -566,8 +566,8 @@ def test_stray_parked_frames_are_ignored_counted_and_extend_nothing(case):
     assert c.ignored[why] >= 1 and sum(c.ignored.values()) == c.ignored[why]
     if case == "twice":  # "b" is parked by the second frame; "a" keeps its first wait
         assert c.ignored[why] == 2
-        assert c._fetches["a"].deadline == pytest.approx(3.0)
-        assert c._fetches["b"].deadline == pytest.approx(31.0)
+        assert c._fetches["a"].due == pytest.approx(3.0)
+        assert c._fetches["b"].due == pytest.approx(31.0)
         return
     if case == "batch_answered":
         assert c.in_flight() == 0
@@ -586,7 +586,7 @@ def test_state_stays_bounded_under_a_flood_of_stray_parked_frames():
         c.on_frame(park(c, b.batch_id, *[f"y{i}.{j}" for j in range(MAX_BATCH_ITEMS)]), 0.1)
     assert c.ignored["parked_unknown_batch"] == 500 * MAX_BATCH_ITEMS
     assert c.ignored["parked_not_in_batch"] == 500 * MAX_BATCH_ITEMS
-    assert len(c._batches) == 1 and c._batches[b.batch_id].parked == set()
+    assert len(c.batches) == 1 and c.batches.get(b.batch_id).parked == set()
     (m,) = reports(c.poll(1.0))  # and the flood parked nothing
     assert m.reason is MissReason.TIMEOUT and c.in_flight() == 0
 
@@ -608,7 +608,7 @@ def test_with_the_producer_session_a_parked_item_outlives_the_ack_timeout():
     # the producer's wait runs out unanswered: NOT_READY (a real wait), asked again at once
     put(pstore, "never", 1, ready=False)
     pump(p, c, c.fetch("never", 3.0, 30.0), 3.0)
-    assert c._fetches["never"].deadline == pytest.approx(3.0 + 4.0 + 1.0)
+    assert c._fetches["never"].due == pytest.approx(3.0 + 4.0 + 1.0)
     for cmd in p.poll(7.0):
         if isinstance(cmd, Send):
             c.on_frame(cmd.data, 7.0)

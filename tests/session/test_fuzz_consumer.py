@@ -59,6 +59,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import msgspec  # noqa: E402
 import pytest
 
 from ectransport.protocol import (
@@ -88,6 +89,7 @@ from ectransport.session import (  # noqa: E402 - binding (issue 17)
     Report,
     Send,
 )
+from ectransport.settings_schema import ConsumerSettings  # noqa: E402
 from ectransport.store import BlockStore
 
 from .helpers import BLOCK, COMPAT
@@ -98,12 +100,14 @@ CONNS = ("c1", "c2")  # two producer connections, one shared landing store (as i
 MM = ("a", "b", "c", "d", "e", "f", "g")  # what the caller fetches
 ODD_MM = ("", "x" * 300, "a#1", "zz", "\u00e9\u0000")  # malformed or never granted
 CONFIG = ConsumerConfig(  # the v1 exchange (versions=(1,)); CONFIG_V2: the v2 one
-    node_id="c", compat_hash=COMPAT, versions=(1,), ack_timeout_s=1.0, read_timeout_s=3.0, quarantine_s=6.0,
-    hello_timeout_s=2.0, retry_backoff_s=0.05, retry_backoff_max_s=0.4, peer_backoff_s=0.2,
-    peer_backoff_max_s=1.0,
+    node_id="c", compat_hash=COMPAT, versions=(1,), settings=ConsumerSettings(
+        ack_timeout_s=1.0, read_timeout_s=3.0, quarantine_s=6.0, hello_timeout_s=2.0,
+        retry_backoff_s=0.05, retry_backoff_max_s=0.4, peer_backoff_s=0.2,
+        peer_backoff_max_s=1.0),
 )
 #: The same on v2 sessions; entries up to 4 rows come inline.
-CONFIG_V2 = dataclasses.replace(CONFIG, versions=(1, 2), inline_max_bytes=4 * BLOCK)
+CONFIG_V2 = dataclasses.replace(CONFIG, versions=(1, 2), settings=msgspec.structs.replace(
+    CONFIG.settings, inline_max_bytes=4 * BLOCK))
 INLINE_SIZES = (0, BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK, BLOCK + 1, 7)
 NAN, INF = float("nan"), float("inf")
 LEASES = (5.0, 0.5, 30.0, 0.0, -1.0, -1e308, 1e-300, 1e308, NAN, INF, -INF)
@@ -356,7 +360,7 @@ class Harness:
             self.note(conn, "poll (past every deadline)")
             self.poll(conn)
         assert not any(self.open.values()), f"fetches never reported: {self.open}"
-        self.advance(CONFIG.quarantine_s + 0.001)
+        self.advance(CONFIG.settings.quarantine_s + 0.001)
         for conn in CONNS:
             self.note(conn, "poll (past every quarantine)")
             self.poll(conn)
@@ -431,7 +435,7 @@ class Harness:
             assert self.v2 and msg.v == 2 and len(msg.items) >= 2, msg  # one alone: XferDone
         if isinstance(msg, ReqBatch):
             assert self.v2 and msg.v == 2, msg
-            assert msg.inline_max == self.config.inline_max_bytes and msg.wait_s >= 0, msg
+            assert msg.inline_max == self.config.settings.inline_max_bytes and msg.wait_s >= 0, msg
             names = [i.mm_hash for i in msg.items]
             assert len(set(names)) == len(names), f"an mm_hash twice in one batch: {msg}"
             for m in names:
@@ -465,7 +469,7 @@ class Harness:
             assert e.mm_hash.startswith(outcome.mm_hash + "#"), outcome
             if inline:  # no grant, no window: the bytes came in the answer, checked
                 assert outcome.grant_id == -1, outcome
-                assert e.nbytes <= self.config.inline_max_bytes and e.nbytes % BLOCK == 0, e
+                assert e.nbytes <= self.config.settings.inline_max_bytes and e.nbytes % BLOCK == 0, e
                 self.outcomes["inline"] += 1
             else:
                 assert (sid, outcome.mm_hash, outcome.grant_id) in self.granted, outcome

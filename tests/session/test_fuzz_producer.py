@@ -36,10 +36,11 @@ from ectransport.protocol import (
     XferAck,
     decode,
 )
-from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send
+from ectransport.session import ProducerSession, Revoke, Send
+from ectransport.session.grants import PlaneFacts
 from ectransport.store import BlockStore
 
-from .helpers import BLOCK, COMPAT, describe, make_consumer, put
+from .helpers import BLOCK, COMPAT, describe, make_consumer, producer_config, put
 
 #: Frames per fuzz test when ``ECT_FUZZ_FRAMES`` is unset: what CI affords on a 2-core host.
 DEFAULT_FRAMES = 100_000
@@ -235,7 +236,7 @@ def feed(p: ProducerSession, peer, data: bytes, now: float, user: str, helloed: 
                 helloed.add(peer)
             if isinstance(msg, Parked):  # names what waits now, with the wait it will honour
                 assert peer in helloed and all(p.waits_for(m) for m in msg.items), msg
-                assert 0 < msg.wait_s <= p.config.max_wait_s, msg
+                assert 0 < msg.wait_s <= p.settings.max_wait_s, msg
 
 
 def step_store(p: ProducerSession, rng: random.Random, now: float, helloed: set) -> None:
@@ -289,9 +290,9 @@ def fresh_peer_gets_a_grant(p: ProducerSession, now: float) -> None:
 
 def make_fuzz_producer():
     store = BlockStore(64, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, lease_s=5.0, budget_bytes=8 * BLOCK,
-                         versions=VERSIONS, inline_max_bytes=2 * BLOCK, max_wait_s=4.0)
-    p = ProducerSession(cfg, store, {"nixl": describe}, rng=random.Random(7),
+    cfg = producer_config(lease_s=5.0, budget_bytes=8 * BLOCK, versions=VERSIONS,
+                          inline_max_bytes=2 * BLOCK, max_wait_s=4.0)
+    p = ProducerSession(cfg, store, {"nixl": PlaneFacts(describe)}, rng=random.Random(7),
                         read=lambda runs, nbytes: bytes(nbytes))
     put(store, "a", 2)
     put(store, "b", 5)

@@ -32,17 +32,18 @@ from ectransport.session import (
     Miss,
     MissReason,
     PostRead,
-    ProducerConfig,
     ProducerSession,
     Report,
     Revoke,
     Send,
 )
 from ectransport.session.consumer_offers import MIN_OFFER_LEFT_S, SYNC_INTERVAL_S
+from ectransport.session.grants import PlaneFacts
 from ectransport.session.holds import HOLD_IDENTITY
+from ectransport.settings_schema import ConsumerSettings
 from ectransport.store import BlockStore
 
-from .helpers import BLOCK, COMPAT, bound, describe, put
+from .helpers import BLOCK, COMPAT, bound, describe, producer_config, put
 
 SID = "of" * 16
 V = (1, 2)
@@ -50,9 +51,9 @@ V = (1, 2)
 
 def producer(num_blocks=64, planes=("nixl",), offerable=("nixl",), **kw):
     store = BlockStore(num_blocks, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, versions=V, planes=planes, **kw)
-    p = ProducerSession(cfg, store, {n: describe for n in planes}, rng=random.Random(7),
-                        offerable=lambda plane: plane in offerable)
+    cfg = producer_config(versions=V, planes=planes, **kw)
+    p = ProducerSession(cfg, store, {n: PlaneFacts(describe, offerable=n in offerable)
+                                     for n in planes}, rng=random.Random(7))
     return p, store
 
 
@@ -227,7 +228,8 @@ def test_close_releases_every_hold():
 
 # -- consumer --------------------------------------------------------------------------------------
 def consumer(now=0.0, **kw):
-    cfg = ConsumerConfig(node_id="c", compat_hash=COMPAT, versions=V, **kw)
+    cfg = ConsumerConfig(node_id="c", compat_hash=COMPAT, versions=V,
+                         settings=ConsumerSettings(**kw))
     return ConsumerSession(cfg, "conn", BlockStore(64, BLOCK), now, session_id=SID)
 
 
@@ -434,7 +436,7 @@ def test_producer_holds_stay_consistent_under_any_sequence(ops):
             out = p.on_frame("peer", encode(XferDone(v=2, session_id=SID, mm_hash=op[1],
                                                      grant_id=gid, ok=op[3])), now)
             assert out == []  # a hold's read is counted; an unknown grant id changes nothing
-            named = p._holds.get(gid)
+            named = p.holds.get(gid)
             assert p.stats["hold_reads"] == reads + (named is not None and
                                                      named.mm_hash == op[1] and op[3])
         elif op[0] == "ready":

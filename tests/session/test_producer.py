@@ -13,10 +13,11 @@ from ectransport.protocol import (
     compat_hash,
     encode,
 )
-from ectransport.session import ProducerConfig, ProducerSession, notif_for
+from ectransport.session import ProducerSession, notif_for
+from ectransport.session.grants import PlaneFacts
 from ectransport.store import BlockStore
 
-from .helpers import BLOCK, COMPAT, describe, make_producer, msgs, put
+from .helpers import BLOCK, COMPAT, describe, make_producer, msgs, producer_config, put
 
 SID = "s" * 32
 
@@ -67,9 +68,9 @@ def test_grant_pins_only_granted_blocks_and_lease_expiry_unpins():
     assert store.get("a").pins == 1 and p.active_grants == 0 and p.stats["expired"] == 1
     assert p.grace_pins == 1 and p.pinned_bytes() == 5 * BLOCK  # still charged to the budget
     p.check_invariants()
-    p.poll(31.0 + p.config.grace_s - 0.01)
+    p.poll(31.0 + p.settings.grace_s - 0.01)
     assert store.get("a").pins == 1
-    p.poll(31.0 + p.config.grace_s)
+    p.poll(31.0 + p.settings.grace_s)
     assert store.get("a").pins == 0 and p.grace_pins == 0 and p.pinned_bytes() == 0
     p.poll(100.0)
     assert store.get("a").pins == 0  # exactly once
@@ -183,9 +184,9 @@ def test_peer_down_releases_grants_at_once():
     p.on_peer_down("peer1", 1.0)
     assert p.active_grants == 0 and p.grace_pins == 2 and p.pinned_bytes() == 4 * BLOCK
     # a consumer that missed the drop may use its grants until their lease deadline (30 s)
-    p.poll(30.0 + p.config.grace_s - 0.01)
+    p.poll(30.0 + p.settings.grace_s - 0.01)
     assert store.get("a").pins == 1
-    p.poll(30.0 + p.config.grace_s)
+    p.poll(30.0 + p.settings.grace_s)
     assert store.get("a").pins == 0 and store.get("b").pins == 0 and p.pinned_bytes() == 0
 
 
@@ -207,7 +208,7 @@ def test_renew_extends_never_shortens():
     p.poll(45.0 + 0.1 + 0.0)
     p.poll(46.0)
     assert p.active_grants == 0 and p.stats["expired"] == 1
-    p.poll(46.0 + p.config.grace_s)
+    p.poll(46.0 + p.settings.grace_s)
     assert store.get("a").pins == 0
 
 
@@ -261,8 +262,8 @@ def test_oversized_grant_is_refused_at_issue_time_and_revoked():
     from ectransport.session import Revoke
 
     store = BlockStore(64, BLOCK)
-    p = ProducerSession(ProducerConfig(node_id="p", compat_hash=COMPAT), store,
-                        {"nixl": lambda runs, n: b"x" * (MAX_GRANT_BYTES + 1)})
+    p = ProducerSession(producer_config(), store,
+                        {"nixl": PlaneFacts(lambda runs, n: b"x" * (MAX_GRANT_BYTES + 1))})
     put(store, "a", 2)
     welcomed(p)
     out = p.on_frame("peer1", req("a"), 0.0)
@@ -276,11 +277,11 @@ def test_unreachable_planes_are_not_negotiated():
     """Issue 13 item 5: the first common plane that can reach the consumer is chosen; none at
     all is a NACK_INCOMPAT naming the reason, never a plane whose every fetch fails."""
     store = BlockStore(64, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, planes=("shm", "tcp"))
+    cfg = producer_config(planes=("shm", "tcp"))
     reach = {"shm": lambda loc: loc == b"here", "tcp": lambda loc: True}
-    p = ProducerSession(cfg, store, {"shm": describe, "tcp": describe},
-                        reachable=lambda plane, loc: reach[plane](loc),
-                        endpoint=lambda plane: f"ep-{plane}".encode())
+    p = ProducerSession(cfg, store, {n: PlaneFacts(describe, reachable=reach[n],
+                                                   endpoint=f"ep-{n}".encode())
+                                     for n in ("shm", "tcp")})
 
     def hello(sid, planes, localities):
         return encode(Hello(v=1, session_id=sid, node_id="c", versions=[1], planes=planes,
@@ -297,8 +298,8 @@ def test_unreachable_planes_are_not_negotiated():
 def test_grants_of_revocable_planes_need_no_grace():
     """A PUSH plane's revoke stops every access before it returns: its blocks unpin at once."""
     store = BlockStore(64, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, lease_s=30.0)
-    p = ProducerSession(cfg, store, {"nixl": describe}, revocable=lambda plane: True)
+    cfg = producer_config(lease_s=30.0)
+    p = ProducerSession(cfg, store, {"nixl": PlaneFacts(describe, revocable=True)})
     put(store, "a", 2)
     welcomed(p)
     ack_of(p.on_frame("peer1", req("a"), 0.0))
@@ -312,8 +313,8 @@ def test_grants_of_revocable_planes_need_no_grace():
 def test_an_entry_over_the_planes_max_transfer_is_a_terminal_refusal():
     """Capabilities are enforced, not informational: ``max_transfer_bytes`` bounds a grant."""
     store = BlockStore(64, BLOCK)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT)
-    p = ProducerSession(cfg, store, {"nixl": describe}, max_bytes=lambda plane: 2 * BLOCK)
+    p = ProducerSession(producer_config(), store,
+                        {"nixl": PlaneFacts(describe, max_bytes=2 * BLOCK)})
     put(store, "small", 2)
     put(store, "big", 3)
     welcomed(p)

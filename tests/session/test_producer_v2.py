@@ -29,10 +29,11 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.protocol.messages import MAX_INLINE_BYTES
-from ectransport.session import ProducerConfig, ProducerSession, Revoke, Send, notif_for
+from ectransport.session import ProducerSession, Revoke, Send, notif_for
+from ectransport.session.grants import PlaneFacts
 from ectransport.store import AllocFailed, BlockStore, HostRegion
 
-from .helpers import BLOCK, COMPAT, describe
+from .helpers import BLOCK, COMPAT, describe, producer_config
 
 SID = "v2" * 16
 V = (1, 2)
@@ -51,12 +52,12 @@ def make(regions, num_blocks=64, *, inline=True, **kw):
     store = BlockStore(num_blocks, BLOCK)
     region = HostRegion(num_blocks, BLOCK)
     regions.append(region)
-    cfg = ProducerConfig(node_id="p", compat_hash=COMPAT, versions=V, **kw)
+    cfg = producer_config(versions=V, **kw)
 
     def read(runs, nbytes):
         return b"".join(region.view(runs, nbytes))
 
-    p = ProducerSession(cfg, store, {"nixl": describe}, rng=random.Random(7),
+    p = ProducerSession(cfg, store, {"nixl": PlaneFacts(describe)}, rng=random.Random(7),
                         read=read if inline else None)
     return p, store, region
 
@@ -133,8 +134,8 @@ def test_v2_is_negotiated_when_both_speak_it_and_v1_otherwise(regions):
     p, _, _ = make(regions)
     assert welcomed(p, "a", "sa").version == 2
     assert welcomed(p, "b", "sb", versions=(1,)).version == 1
-    p1 = ProducerSession(ProducerConfig(node_id="p", compat_hash=COMPAT, versions=(1,)),
-                         BlockStore(8, BLOCK), {"nixl": describe})
+    p1 = ProducerSession(producer_config(versions=(1,)), BlockStore(8, BLOCK),
+                         {"nixl": PlaneFacts(describe)})
     (s,) = p1.on_frame("c", hello(), 0.0)
     w = decode(s.data, versions=V)
     assert w.status is Status.OK and w.version == 1 and w.versions == [1]
@@ -167,7 +168,7 @@ def test_batch_of_ready_entries_is_one_frame_of_grants(regions):
     assert pins(p) == {"c": 1} and p.active_grants == 1  # renewed to 50 s
     p.poll(50.0)
     assert p.active_grants == 0 and p.grace_pins == 1 and p.stats["expired"] == 1
-    p.poll(50.0 + p.config.grace_s)
+    p.poll(50.0 + p.settings.grace_s)
     assert pins(p) == {} and p.pinned_bytes() == 0
     p.check_invariants()
     store.check_invariants()
@@ -523,7 +524,7 @@ def test_close_drops_waiting_items(regions):
 
 
 def test_waiting_items_per_consumer_are_bounded(regions, monkeypatch):
-    import ectransport.session.producer_batches as pb
+    import ectransport.session.waits as pb
 
     monkeypatch.setattr(pb, "MAX_WAITING_PER_PEER", 3)
     p, _, region = make(regions)
@@ -542,8 +543,8 @@ def test_an_oversized_grant_in_a_batch_is_revoked_and_nacked(regions):
     from ectransport.protocol.messages import MAX_GRANT_BYTES
 
     store = BlockStore(64, BLOCK)
-    p = ProducerSession(ProducerConfig(node_id="p", compat_hash=COMPAT, versions=V), store,
-                        {"nixl": lambda runs, n: b"x" * (MAX_GRANT_BYTES + 1)})
+    p = ProducerSession(producer_config(versions=V), store,
+                        {"nixl": PlaneFacts(lambda runs, n: b"x" * (MAX_GRANT_BYTES + 1))})
     store.alloc("a", BLOCK)
     store.mark_ready("a")
     welcomed(p)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -61,6 +62,9 @@ from ectransport.session import (
     Send,
 )
 from ectransport.session.commands import Revoke
+from ectransport.session.fetches import FetchTable
+from ectransport.session.grants import GrantTable, PlaneFacts
+from ectransport.settings_schema import ConsumerSettings, ProducerSettings
 from ectransport.store import AllocFailed, BlockStore
 
 from .helpers import BLOCK, COMPAT
@@ -89,11 +93,15 @@ V2 = 2 in SUPPORTED_VERSIONS
 
 
 def consumer_config(i: int) -> ConsumerConfig:
-    v2 = {"versions": (1,)} if i % 2 else {"inline_max_bytes": 3 * BLOCK if i == 0 else 0}
-    return ConsumerConfig(node_id=f"c{i}", compat_hash=COMPAT, ack_timeout_s=2.0,
-                          read_timeout_s=8.0, quarantine_s=15.0, hello_timeout_s=5.0,
-                          retry_backoff_s=0.02, retry_backoff_max_s=0.5,
-                          peer_backoff_s=0.25, peer_backoff_max_s=4.0, **(v2 if V2 else {}))
+    versions = (1,) if V2 and i % 2 else ConsumerConfig.versions
+    inline = (3 * BLOCK if i == 0 else 0) if V2 and not i % 2 else \
+        ConsumerSettings().inline_max_bytes
+    return ConsumerConfig(node_id=f"c{i}", compat_hash=COMPAT, versions=versions,
+                          settings=ConsumerSettings(
+                              ack_timeout_s=2.0, read_timeout_s=8.0, quarantine_s=15.0,
+                              hello_timeout_s=5.0, retry_backoff_s=0.02, retry_backoff_max_s=0.5,
+                              peer_backoff_s=0.25, peer_backoff_max_s=4.0,
+                              inline_max_bytes=inline))
 
 
 @dataclass
@@ -196,9 +204,9 @@ class Model(RuleBasedStateMachine):
             self.pstore.alloc(name, blocks * BLOCK - (blocks > 1))  # some sizes not block-aligned
             if ready:
                 self.pstore.mark_ready(name)
-        cfg = ProducerConfig(node_id=f"p{inc}", compat_hash=COMPAT, lease_s=LEASE_S,
-                             budget_bytes=BUDGET_BLOCKS * BLOCK, grace_s=GRACE_S)
-        self.producer = ProducerSession(cfg, self.pstore, {"nixl": describe},
+        cfg = ProducerConfig(node_id=f"p{inc}", compat_hash=COMPAT, settings=ProducerSettings(
+            lease_s=LEASE_S, budget_bytes=BUDGET_BLOCKS * BLOCK, grace_s=GRACE_S))
+        self.producer = ProducerSession(cfg, self.pstore, {"nixl": PlaneFacts(describe)},
                                         rng=random.Random(seed * 1000 + inc))
 
     def _count(self, what: str) -> None:
@@ -548,10 +556,11 @@ class Model(RuleBasedStateMachine):
             assert not set(s._fetches) & set(s._quarantine)
             held: dict[str, int] = {}
             for f in (*s._fetches.values(), *s._quarantine.values()):
-                if f.entry is not None:
-                    assert f.state in (FetchState.READING, FetchState.QUARANTINED)
-                    e = s.store.get(f.entry.mm_hash)
-                    assert e is f.entry and not e.ready, "landing blocks lost or ready early"
+                entry = getattr(f.state, "entry", None)
+                if entry is not None:
+                    assert f.kind in (FetchState.READING, FetchState.QUARANTINED)
+                    e = s.store.get(entry.mm_hash)
+                    assert e is entry and not e.ready, "landing blocks lost or ready early"
                     held[e.mm_hash] = e.entry_id
             for e in s.store.entries():
                 assert e.pins == 0
@@ -616,29 +625,28 @@ def _run_broken(monkeypatch, target, name, replacement, max_examples=60):
 
 
 def test_machine_catches_a_release_that_skips_the_unpin(monkeypatch):
-    orig = ProducerSession._release
+    orig = GrantTable.end
 
-    def release_without_unpin(self, key, why, now):
+    def end_without_unpin(self, key, why, now):
         # forgets the pin whichever way the grant ends: at once or after its grace period
-        self.store.unpin = lambda *a: None
-        grace, self._grace = self._grace, []
+        ledger = self.ledger
+        ledger.unpin = ledger.hold_back = lambda *a: None
         try:
             return orig(self, key, why, now)
         finally:
-            del self.store.unpin
-            self._grace = grace
+            del ledger.unpin, ledger.hold_back
 
-    err = _run_broken(monkeypatch, ProducerSession, "_release", release_without_unpin)
+    err = _run_broken(monkeypatch, GrantTable, "end", end_without_unpin)
     assert isinstance(err, AssertionError)
 
 
 def test_machine_catches_a_settle_that_forgets_the_handle(monkeypatch):
-    orig = ConsumerSession._settle
+    orig = FetchTable._settle
 
     def settle_without_release(self, q):
         return [c for c in orig(self, q) if not isinstance(c, Release)]
 
-    err = _run_broken(monkeypatch, ConsumerSession, "_settle", settle_without_release)
+    err = _run_broken(monkeypatch, FetchTable, "_settle", settle_without_release)
     assert isinstance(err, AssertionError)
 
 
@@ -646,11 +654,13 @@ def test_machine_catches_a_budget_bypass(monkeypatch):
     orig = ProducerSession._on_req
 
     def on_req_without_budget(self, *args):
-        budget, self.budget_bytes = self.budget_bytes, 1 << 40
+        t = self.grants_table
+        settings, t.settings = t.settings, msgspec.structs.replace(t.settings,
+                                                                  budget_bytes=1 << 40)
         try:
             return orig(self, *args)
         finally:
-            self.budget_bytes = budget
+            t.settings = settings
 
     err = _run_broken(monkeypatch, ProducerSession, "_on_req", on_req_without_budget,
                       max_examples=200)
