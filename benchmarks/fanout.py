@@ -51,7 +51,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import harness  # noqa: E402
+import common  # noqa: E402
+import fetchpaths  # noqa: E402
+import phases  # noqa: E402
+
+from ectransport.settings_schema import ConsumerSettings, ControlClientSettings, NodeSettings  # noqa: E402
 
 #: Issue 16 item 7 targets.
 TARGET_FRACTION_OF_RAW = 0.80
@@ -143,12 +147,17 @@ def worker(spec: dict) -> int:
             from ectransport.node.common import Layout, Security
             from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
-            rows = -(-nbytes // harness.BLOCK)
-            node = ConsumerNode(layout=Layout(hidden=harness.HIDDEN),
-                                region_bytes=(2 * rows + 1) * harness.BLOCK,
-                                security=Security.from_files(spec["secret"]), planes=("nixl",),
-                                fetch_timeout_s=spec["fetch_timeout_s"],
-                                control_options={"handshake_timeout_s": 30.0})
+            rows = -(-nbytes // common.BLOCK)
+            node = ConsumerNode(
+                layout=Layout(hidden=common.HIDDEN),
+                security=Security.from_files(spec["secret"]),
+                settings=ConsumerSettings(
+                    region_bytes=(2 * rows + 1) * common.BLOCK,
+                    fetch_timeout_s=spec["fetch_timeout_s"],
+                ),
+                node=NodeSettings(planes=("nixl",)),
+                control_settings=ControlClientSettings(handshake_timeout_s=30.0),
+            )
             closer = node.close
             t_plane = time.monotonic()
             addr = ProducerAddress("127.0.0.1", spec["port"], spec["public_key"])
@@ -174,13 +183,13 @@ def worker(spec: dict) -> int:
             from ectransport.data.nixl_agent import _import_nixl
 
             _import_nixl()
-            raw = harness.RawNixl(spec["raw"], [nbytes], 1)
+            raw = fetchpaths.RawNixl(spec["raw"], [nbytes], 1)
             closer = raw.close
             t_plane = t_connect = time.monotonic()  # the agent loads the producer's metadata
 
             # raw-nixl polls as the ConsumerNode's loop does (a 50 µs sleep between checks, which
             # lets the other processes' READs run); raw-nixl-spin polls in a tight loop
-            # (harness.RawNixl.one), which with N processes on 2 CPUs takes CPU from the others
+            # (fetchpaths.RawNixl.one), which with N processes on 2 CPUs takes CPU from the others
             pause_s = 0.0 if spec["group"] == "raw-nixl-spin" else POLL_SLEEP_S
 
             def one(j: int, check: bool) -> bool | None:
@@ -312,21 +321,21 @@ class _Group:
                 p.wait()
 
 
-def _block(cfg: FanoutConfig, result: dict, server: harness.Server, group: str, b: int,
+def _block(cfg: FanoutConfig, result: dict, server: phases.Server, group: str, b: int,
            nbytes: int, secrets: list[str], logdir: Path) -> dict:
-    copies = min(cfg.entries, harness.copies_of(nbytes))
-    with harness.Phase(result, server, f"fanout-{group}-{b}") as ph:
+    copies = min(cfg.entries, common.copies_of(nbytes))
+    with phases.Phase(result, server, f"fanout-{group}-{b}") as ph:
         if group.startswith("ect"):
             info = ph.open(group, kind="ect", plane="nixl", curve=True)
             base = {"port": info["port"], "public_key": info["public_key"]}
         else:
-            r = ph.open(group, kind="raw", plane="nixl", delay_us=harness.RAW_NIXL_DELAY_US)
+            r = ph.open(group, kind="raw", plane="nixl", delay_us=common.RAW_NIXL_DELAY_US)
             base = {"raw": {k: r[k] for k in ("agent", "meta", "descs")}}
         specs = [{**base, "group": group, "block": b, "index": w, "nbytes": nbytes,
                   "copies": copies, "secret": secrets[w % len(secrets)],
                   "fetch_timeout_s": cfg.fetch_timeout_s, "preimport": cfg.preimport}
                  for w in range(cfg.n)]
-        harness.log(f"fanout {group} block {b}: spawning {cfg.n} consumer processes")
+        common.log(f"fanout {group} block {b}: spawning {cfg.n} consumer processes")
         g = _Group(specs, logdir)
         try:
             warm = g.collect("warm", cfg.ready_timeout_s)
@@ -352,7 +361,7 @@ def _block(cfg: FanoutConfig, result: dict, server: harness.Server, group: str, 
         "misses": sum(d["misses"] for d in done.values()),
         "bytes_ok": all(w["first_ok"] for w in warm.values())
         and all(d["bytes_ok"] for d in done.values()),
-        "latency": harness.stats(lat) if lat else None,
+        "latency": common.stats(lat) if lat else None,
         # CPU-seconds per fetch inside the window: consumer processes (all), producer process
         "cpu_per_fetch_s": {"consumers": sum(d["cpu_s"] for d in done.values())
                             / max(1, len(lat)),
@@ -382,7 +391,7 @@ def _block(cfg: FanoutConfig, result: dict, server: harness.Server, group: str, 
         },
         "loadavg": os.getloadavg()[0],
     }
-    harness.log(f"fanout {group} block {b}: {out['aggregate_gbps']:.2f} GB/s, "
+    common.log(f"fanout {group} block {b}: {out['aggregate_gbps']:.2f} GB/s, "
                 f"p50 {harness_fmt(out['latency'], 'p50')} p99 {harness_fmt(out['latency'], 'p99')}"
                 f", all warm in {out['warmup']['all_warm_s']:.1f} s, misses {out['misses']}, "
                 f"bytes_ok {out['bytes_ok']}")
@@ -430,7 +439,7 @@ def run(cfg: FanoutConfig, result: dict | None = None) -> dict:
     dict, whose ``phases`` get this run's phases; a private one if None)."""
     from ectransport.control.keys import allow_key, generate_keypair
 
-    nbytes = harness.rows_of(cfg.size) * harness.BLOCK
+    nbytes = common.rows_of(cfg.size) * common.BLOCK
     own = result is None
     result = result if result is not None else {"phases": []}
     result.setdefault("phases", [])
@@ -444,7 +453,7 @@ def run(cfg: FanoutConfig, result: dict | None = None) -> dict:
     t0 = time.monotonic()
     server = None
     try:
-        server = harness.Server(harness.Config(sizes=[cfg.size], planes=["nixl"]), [nbytes], tmp)
+        server = phases.Server(common.Config(sizes=[cfg.size], planes=["nixl"]), [nbytes], tmp)
         if cfg.shared_key:
             secrets = [server.consumer_secret]
         else:  # one identity per consumer process (as separate vLLM instances): own pin budget
@@ -459,7 +468,7 @@ def run(cfg: FanoutConfig, result: dict | None = None) -> dict:
                                             logdir))
             except Exception as e:  # noqa: BLE001 - recorded; the other blocks still run
                 out["errors"][f"{group}-{b}"] = f"{type(e).__name__}: {e}"[:1500]
-                harness.log(f"fanout {group} block {b} failed: {e}")
+                common.log(f"fanout {group} block {b} failed: {e}")
     finally:
         if server is not None:
             server.close()

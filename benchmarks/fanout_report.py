@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 
-import harness
+import common
 from fanout import GROUPS, TARGET_FRACTION_OF_RAW, TARGET_P99_OVER_P50
 
 
@@ -16,7 +16,7 @@ def _ms(x: float | None) -> str:
 
 
 def _entries(cfg: dict, nbytes: int) -> str:
-    k = min(cfg.get("entries", harness.copies_of(nbytes)), harness.copies_of(nbytes))
+    k = min(cfg.get("entries", common.copies_of(nbytes)), common.copies_of(nbytes))
     if k == 1:
         return ("one entry (the same for every process, as the raw group's one registered "
                 "source)")
@@ -161,7 +161,7 @@ def notes(res: dict) -> list[str]:
                    "the blocks): " + "; ".join(per_thread) + ".")
     spin = s.get("raw-nixl-spin")
     if spin:
-        out.append(f"- `raw-nixl-spin` polls its READ in a tight loop (benchmarks/harness.py "
+        out.append(f"- `raw-nixl-spin` polls its READ in a tight loop (benchmarks/fetchpaths.py "
                    f"RawNixl.one) instead of pausing 50 µs between checks as `raw-nixl` and the "
                    f"ConsumerNode do: {spin['aggregate_gbps']:.2f} GB/s, p50/p99 "
                    f"{_ms(spin['p50'])} / {_ms(spin['p99'])}; with {n} processes on {cpus} CPUs "

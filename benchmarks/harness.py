@@ -33,698 +33,42 @@ Paths measured:
 * local recompute with the demo's ReferenceEncoder (separately: it is 100-1000x slower).
 
 Results are a dict (see :func:`run`), written as JSON by ``report.py`` with the ratio table, a PNG
-and ``docs/performance.md``.
+and ``docs/performance.md``. This module is the orchestration only: the shared constants and
+:class:`~common.Config` are in ``common.py``, the producer process and a phase in ``phases.py``,
+the measured paths in ``fetchpaths.py``, the scope and vLLM phases in ``scope.py`` and
+``vllm_p2p.py`` (none of which imports this module).
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import contextlib
 import gc
-import itertools
-import json
 import math
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-HIDDEN = 3584  # Qwen2-VL-7B; one row = 7168 bytes (bf16)
-BLOCK = HIDDEN * 2
-MiB = 1 << 20
-
-SIZES = {  # label -> target bytes (rounded to whole rows of BLOCK bytes)
-    "64KiB": 64 * 1024,
-    "1MiB": MiB,
-    "4.7MiB": int(4.7 * MiB),
-    "8.8MiB": int(8.8 * MiB),
-    "42MiB": 42 * MiB,
-    "64MiB": 64 * MiB,
-}
-
-#: Raw NIXL agents use ectransport's NIXL plane agent config (UCX backend, progress thread pausing
-#: this long between passes), so an A/B differs only by ectransport. NIXL's Python default (0:
-#: the progress thread spins, ~1 core per agent) is measured alone as ``raw-nixl-spin``.
-RAW_NIXL_DELAY_US = 100
-
-
-def _has_v2() -> bool:
-    from ectransport.protocol import SUPPORTED_VERSIONS
-
-    return 2 in SUPPORTED_VERSIONS
-
-
-#: This build speaks ECTP v2: the v1 path (a consumer configured ``versions=(1,)``) is measured
-#: A/B with the default (v2) one.
-HAS_V2 = _has_v2()
-
-TARGETS = {
-    "single_8.8MiB_vs_raw_nixl": 1.25,
-    "pipelined_ge4MiB_fraction_of_raw": 0.85,
-    "control_rtt_plain_s": 150e-6,
-    "control_rtt_curve_s": 250e-6,
-    "speedup_vs_safetensors_8.8MiB": 5.0,
-}
-
-
-@dataclass
-class Config:
-    mode: str = "quick"
-    sizes: list[str] = field(default_factory=lambda: ["1MiB", "8.8MiB"])
-    planes: list[str] = field(default_factory=lambda: ["nixl", "tcp"])
-    curve_off: bool = False  # also measure ectransport with plain ZMQ
-    warmup: int = 3
-    reps: int = 15  # latency samples per path and size (after warm-up)
-    thr_reps: int = 5  # throughput repetitions
-    inflight: list[int] = field(default_factory=lambda: [4])
-    thr_min_bytes: int = 4 * MiB  # pipelined throughput for sizes >= this
-    consumers: list[int] = field(default_factory=list)
-    consumers_size: str = "8.8MiB"
-    rtt_samples: int = 40
-    recompute_reps: int = 5
-    recompute_direct_max: int = 9 * MiB  # larger sizes: per-token time of the largest direct size
-    safetensors: bool = True
-    scope: bool = True  # the nixl grant_scope A/B (issue 13, benchmarks/scope.py)
-    scope_sizes: list[str] | None = None  # labels compared there; None = every size of the run
-    scope_reps: int = 15  # samples per scope and size (half above 9 MiB)
-    micro_reps: int = 30  # samples per case of the in-process scope micro-benchmarks
-    vllm_p2p: bool = True  # vLLM's own ECCPUConnector P2P stack at each size (vllm_p2p.py)
-    vllm_p2p_blocks: int = 1  # phases per path there (ABCD, DCBA, ...), samples pooled
-
-    @classmethod
-    def quick(cls) -> Config:
-        # recompute: direct at 1 MiB only, the 8.8 MiB figure is its per-token time scaled
-        return cls(recompute_direct_max=2 * MiB, warmup=2, reps=9, rtt_samples=30)
-
-    @classmethod
-    def full(cls) -> Config:
-        return cls(mode="full", sizes=list(SIZES), planes=["nixl", "tcp", "ucx"], curve_off=True,
-                   warmup=3, reps=25, thr_reps=5, inflight=[1, 4, 16], consumers=[1, 2, 8],
-                   rtt_samples=200, scope_sizes=["64KiB", "1MiB", "8.8MiB", "64MiB"],
-                   scope_reps=100, micro_reps=200, vllm_p2p_blocks=2)
-
-
-def rows_of(label: str) -> int:
-    return max(1, round(SIZES[label] / BLOCK))
-
-
-def copies_of(nbytes: int) -> int:
-    """Distinct entries per size on the producer (max pipelining depth for that size)."""
-    return 16 if nbytes <= 9 * MiB else 4
-
-
-def stats(xs: list[float]) -> dict:
-    s = sorted(xs)
-    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
-    p90 = s[min(len(s) - 1, math.ceil(0.90 * len(s)) - 1)]
-    return {"p50": statistics.median(s), "p90": p90, "p99": p99, "min": s[0], "max": s[-1],
-            "n": len(s)}
-
-
-#: UCX variables the user set before the benchmark started; any other UCX_* variable was put in
-#: os.environ by ``import ucxx`` (UCX_RNDV_THRESH=8192, ...), which would change how NIXL agents
-#: created later in this process talk UCX (measured: UCX_RNDV_THRESH=8192 in the READ initiator's
-#: environment makes an 8.8 MiB NIXL READ 40-120 ms instead of ~1-1.5 ms here).
-_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
-
-
-@contextlib.contextmanager
-def nixl_env():
-    """Create NIXL agents without the UCX variables ucxx's import injected (restored after)."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ)
-             if k.startswith("UCX_") and k not in _USER_UCX_ENV}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- producer process ---------------------------------------------------------------------------
-
-
-class Server:
-    """The producer process (``server.py``): opens/closes endpoints on command, one phase at a
-    time; between phases nothing is open in it."""
-
-    def __init__(self, cfg: Config, sizes: list[int], keydir: Path):
-        from ectransport.control.keys import allow_key, generate_keypair
-
-        generate_keypair(keydir / "keys", "producer")
-        generate_keypair(keydir / "keys", "consumer")
-        allow_key(keydir / "allow", keydir / "keys" / "consumer.key")
-        self.consumer_secret = str(keydir / "keys" / "consumer.key_secret")
-        conf = {"sizes": sizes, "planes": cfg.planes, "hidden": HIDDEN,
-                "copies": [copies_of(n) for n in sizes],
-                "producer_secret": str(keydir / "keys" / "producer.key_secret"),
-                "allow_dir": str(keydir / "allow")}
-        self.errf = open(keydir / "server.stderr", "w+")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "server.py"), "--config",
-                                      json.dumps(conf)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.errf, text=True)
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self._q.put(ln) for ln in self.proc.stdout]
-                         + [self._q.put(None)], daemon=True).start()
-        self.info = self._reply(180)["ready"]
-
-    def _reply(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                self.errf.seek(0)
-                raise RuntimeError("benchmark server died or hung:\n" + self.errf.read()[-3000:])
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def call(self, timeout: float = 180, **req) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return self._reply(timeout)
-
-    def open(self, **req) -> tuple[int, dict]:
-        r = self.call(op="open", **req)
-        if "error" in r:
-            raise RuntimeError(r["error"])
-        return r["id"], r["info"]
-
-    def close_ep(self, h: int) -> dict:
-        return self.call(op="close", id=h)
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=20)
-        except Exception:
-            self.proc.kill()
-        self.errf.close()
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-class Phase:
-    """One measurement phase: only the endpoints it opens are alive, in both processes.
-
-    On entry it checks that both processes are idle (threads, CPU-s/s over 0.5 s: a leftover
-    NIXL agent would show ~0.3-0.7 CPU-s/s); on exit it closes what it opened, consumer side
-    first, and records its duration and load average."""
-
-    def __init__(self, result: dict, server: Server, name: str):
-        self.result, self.server, self.name = result, server, name
-        self.remote: list[int] = []
-        self.local: list = []
-        self.rec: dict = {"name": name, "opened": []}
-
-    def __enter__(self) -> Phase:
-        gc.collect()
-        self.rec["loadavg_start"] = os.getloadavg()[0]
-        c0 = _cpu_s()
-        idle = self.server.call(op="idle", seconds=0.5)
-        self.rec["idle_before"] = {
-            "server": {"threads": idle["threads"], "cpu_per_s": round(idle["cpu_per_s"], 3),
-                       "open": idle["open"]},
-            "consumer": {"threads": _threads(), "cpu_per_s": round((_cpu_s() - c0) / 0.5, 3)}}
-        self.t0 = time.perf_counter()
-        log(f"phase {self.name}: start (idle check {self.rec['idle_before']})")
-        return self
-
-    def open(self, label: str, **req) -> dict:
-        h, info = self.server.open(**req)
-        self.remote.append(h)
-        self.rec["opened"].append(label)
-        return {"id": h, **info}
-
-    def close_remote(self, h: int) -> None:
-        if h in self.remote:
-            self.remote.remove(h)
-            self.server.close_ep(h)
-
-    def add(self, obj):
-        self.local.append(obj)
-        return obj
-
-    def drop(self, obj) -> None:
-        if obj in self.local:
-            self.local.remove(obj)
-            obj.close()
-
-    def running(self) -> None:
-        """Record the thread counts with everything of this phase open."""
-        self.rec.setdefault("threads_open", []).append(
-            {"server": self.server.call(op="idle", seconds=0.0)["threads"],
-             "consumer": _threads()})
-
-    def __exit__(self, *exc) -> None:
-        for obj in reversed(self.local):
-            try:
-                obj.close()
-            except Exception as e:
-                log(f"phase {self.name}: closing {obj}: {e}")
-        self.local.clear()
-        gc.collect()
-        for h in reversed(self.remote):
-            try:
-                self.server.close_ep(h)
-            except Exception as e:
-                log(f"phase {self.name}: closing server endpoint {h}: {e}")
-        self.remote.clear()
-        self.rec["seconds"] = round(time.perf_counter() - self.t0, 1)
-        self.rec["loadavg_end"] = os.getloadavg()[0]
-        self.result["phases"].append(self.rec)
-        log(f"phase {self.name}: done in {self.rec['seconds']} s, opened {self.rec['opened']}")
-
-
-# -- paths: each has setup(), one(size_index, slot) -> seconds, window(size_index, k, m) ----------
-
-
-#: ``Fetched.timings`` keys in order: submit → XferReq sent, → XferAck, → transfer posted, →
-#: bytes landed, → result (seconds since the fetch started).
-FETCH_PHASES = ("req", "ack", "posted", "landed", "total")
-
-
-class EctPath:
-    def __init__(self, name: str, plane: str, curve: bool, ect: dict, consumer_secret: str,
-                 sizes: list[int], max_k: dict[int, int], versions: tuple[int, ...] | None = None):
-        """``ect``: what the server's ``open kind=ect`` answered (port, public_key);
-        ``versions``: the ECTP versions the consumer speaks (None: the build's; ``(1,)``: the v1
-        path)."""
-        from ectransport.node.common import Layout, Security
-        from ectransport.node.consumer import ConsumerNode, ProducerAddress
-
-        self.name, self.plane, self.curve = name, plane, curve
-        self.addr = ProducerAddress("127.0.0.1", ect["port"], ect["public_key"] if curve else None)
-        sec = Security.from_files(consumer_secret) if curve else Security(insecure=True)
-        # landing region: max_k[i] entries of size i in flight, plus one being given back
-        need = max(-(-sizes[i] // BLOCK) * (k + 1) for i, k in max_k.items())
-        with nixl_env() if plane == "nixl" else contextlib.nullcontext():
-            kw = {} if versions is None else {"versions": versions}
-            self.node = ConsumerNode(layout=Layout(hidden=HIDDEN),
-                                     region_bytes=need * BLOCK + BLOCK, security=sec,
-                                     planes=(plane,), fetch_timeout_s=60.0, **kw)
-        self.node.connect(self.addr, timeout_s=30.0)
-        self.transport = self.node.plane_transports().get(plane, plane)
-        self.rtts: list[float] = []
-        #: size index -> fetch phase -> seconds (``Fetched.timings`` deltas), when not None
-        self.breakdown: dict[int, dict[str, list[float]]] | None = None
-
-    def one(self, i: int, slot: int) -> float:
-        t0 = time.perf_counter()
-        out = self.node.fetch(self.addr, f"s{i}-c{slot}")
-        dt = time.perf_counter() - t0
-        if not out.ok:
-            raise RuntimeError(f"{self.name}: fetch missed: {out.reason} {out.detail}")
-        t = out.timings
-        if "ack" in t and "req" in t:
-            self.rtts.append(t["ack"] - t["req"])
-        if self.breakdown is not None:
-            prev, mine = 0.0, self.breakdown.setdefault(i, {})
-            for ph in FETCH_PHASES:
-                if ph in t:
-                    mine.setdefault(ph, []).append(t[ph] - prev)
-                    prev = t[ph]
-            mine.setdefault("wall", []).append(dt)
-        del out  # zero copy: dropping the Fetched returns its blocks to the region
-        return dt
-
-    def batch(self, i: int, n: int) -> float:
-        """n distinct entries of size i asked for together (``fetch_many``: one ReqBatch on
-        ECTP v2, n XferReqs on v1; driven on this thread, as ``one`` drives ``fetch``), until
-        all landed; wall seconds."""
-        t0 = time.perf_counter()
-        outs = self.node.fetch_many(self.addr, [f"s{i}-c{slot}" for slot in range(n)])
-        dt = time.perf_counter() - t0
-        bad = [r for r in outs if not r.ok]
-        if bad:
-            raise RuntimeError(f"{self.name}: batch fetch missed: {bad[0].reason} "
-                               f"{bad[0].detail}")
-        del outs  # the Fetched hold their landing blocks: drop them first
-        return dt
-
-    def window(self, i: int, k: int, m: int) -> float:
-        """m fetches of size i with k in flight (one distinct key per slot); wall seconds."""
-        node, addr = self.node, self.addr
-        left = m
-        t0 = time.perf_counter()
-        pending = {}
-        for slot in range(min(k, m)):
-            pending[node.submit(addr, f"s{i}-c{slot}")] = slot
-            left -= 1
-        while pending:
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            free = []
-            for f in done:
-                free.append(pending.pop(f))
-                r = f.result()
-                if not r.ok:
-                    raise RuntimeError(f"{self.name}: fetch missed: {r.reason} {r.detail}")
-            # a Future holds its Fetched (and so the pinned landing blocks): drop both before
-            # the next submit so the blocks are back in the region first
-            del done, f, r
-            for slot in free:
-                if left:
-                    pending[node.submit(addr, f"s{i}-c{slot}")] = slot
-                    left -= 1
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.node.close()
-        self.node = None
-
-
-class AnnouncedPath(EctPath):
-    """An ectransport consumer fetching on the producer's tickets (ECTP v2 §10): every entry was
-    announced by the producer, so each fetch READs at once on the offer its session holds, with
-    no request (``ect-<plane>-announced``)."""
-
-    def __init__(self, name: str, plane: str, curve: bool, ect: dict, *args, **kw):
-        super().__init__(name, plane, curve, ect, *args, **kw)
-        from ectransport.protocol import Ticket
-
-        self.tickets = {mm: Ticket(producer=p, hold_id=h, mm_hash=mm)
-                        for mm, (p, h) in (ect.get("tickets") or {}).items()}
-        deadline = time.monotonic() + 30.0  # the holds' offers, replayed at the first Sync
-        while self.node.stats()["offers_held"] < len(self.tickets) \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.offered = self.node.stats()["offers_held"]
-
-    def one(self, i: int, slot: int) -> float:
-        mm = f"s{i}-c{slot}"
-        t0 = time.perf_counter()
-        out = self.node.fetch(self.addr, mm, ticket=self.tickets.get(mm))
-        dt = time.perf_counter() - t0
-        if not out.ok:
-            raise RuntimeError(f"{self.name}: fetch missed: {out.reason} {out.detail}")
-        del out
-        return dt
-
-    def batch(self, i: int, n: int) -> float:
-        names = [f"s{i}-c{slot}" for slot in range(n)]
-        t0 = time.perf_counter()
-        outs = self.node.fetch_many(self.addr, names,
-                                    tickets=[self.tickets.get(m) for m in names])
-        dt = time.perf_counter() - t0
-        bad = [r for r in outs if not r.ok]
-        if bad:
-            raise RuntimeError(f"{self.name}: batch fetch missed: {bad[0].reason}")
-        del outs
-        return dt
-
-
-def _slots(n: int, nbytes: int) -> list[np.ndarray]:
-    out = []
-    for _ in range(n):
-        b = np.empty(nbytes, np.uint8)
-        b[::4096] = 0
-        out.append(b)
-    return out
-
-
-class RawNixl:
-    _ids = itertools.count()
-
-    def __init__(self, r: dict, sizes: list[int], slots: int, delay_us: int = RAW_NIXL_DELAY_US):
-        """``delay_us``: the agent's progress-thread pause (µs; 0 = NIXL's spinning default)."""
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        from ectransport.data.nixl import new_agent
-
-        self.name = "raw-nixl"
-        self.remote = r["agent"]
-        self.descs = r["descs"]
-        with nixl_env():
-            self.agent = new_agent(nixl_agent, f"bench-raw-consumer-{next(self._ids)}",
-                                   nixl_agent_config(backends=["UCX"]), delay_us)
-        self.bufs = _slots(slots, max(sizes))
-        self.reg = self.agent.register_memory(
-            [(int(b.ctypes.data), b.nbytes, 0, "") for b in self.bufs], "DRAM")
-        self.agent.add_remote_agent(base64.b64decode(r["meta"]))
-        self.transport = "nixl/UCX (raw agents)"
-
-    def _post(self, i: int, slot: int):
-        addr, n = self.descs[i]
-        ldl = self.agent.get_xfer_descs([(int(self.bufs[slot].ctypes.data), n, 0)], "DRAM")
-        rdl = self.agent.get_xfer_descs([(addr, n, 0)], "DRAM")
-        x = self.agent.initialize_xfer("READ", ldl, rdl, self.remote, b"")
-        st = self.agent.transfer(x)
-        if st == "ERR":
-            raise RuntimeError("raw nixl: transfer failed")
-        return x
-
-    def _poll(self, x) -> bool:
-        st = self.agent.check_xfer_state(x)
-        if st == "ERR":
-            raise RuntimeError("raw nixl: transfer failed")
-        if st == "DONE":
-            x.release()
-            return True
-        return False
-
-    def one(self, i: int, slot: int) -> float:
-        t0 = time.perf_counter()
-        x = self._post(i, slot % len(self.bufs))
-        while not self._poll(x):
-            pass
-        return time.perf_counter() - t0
-
-    def window(self, i: int, k: int, m: int) -> float:
-        t0 = time.perf_counter()
-        left = m
-        live = []
-        for slot in range(min(k, m)):
-            live.append((self._post(i, slot), slot))
-            left -= 1
-        while live:
-            nxt = []
-            for x, slot in live:
-                if self._poll(x):
-                    if left:
-                        nxt.append((self._post(i, slot), slot))
-                        left -= 1
-                else:
-                    nxt.append((x, slot))
-            live = nxt
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        try:
-            self.agent.remove_remote_agent(self.remote)
-        except Exception:
-            pass
-        try:
-            self.agent.deregister_memory(self.reg)
-        except Exception:
-            pass
-        self.agent = None  # the last reference: the native agent and its progress thread go
-
-
-class RawTcp:
-    def __init__(self, r: dict, sizes: list[int], slots: int):
-        self.name = "raw-tcp"
-        self.port = r["port"]
-        self.sizes = sizes
-        self.bufs = _slots(slots, max(sizes))
-        self.socks = []
-        for _ in range(slots):
-            s = socket.create_connection(("127.0.0.1", self.port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.socks.append(s)
-        self.transport = "TCP loopback, sendall/recv_into, 1 connection per in-flight transfer"
-
-    def _get(self, i: int, slot: int) -> None:
-        from server import ROWS_HEADER  # noqa: PLC0415
-
-        s = self.socks[slot]
-        s.sendall(ROWS_HEADER.pack(i))
-        view = memoryview(self.bufs[slot])[: self.sizes[i]]
-        got, n = 0, self.sizes[i]
-        while got < n:
-            r = s.recv_into(view[got:])
-            if r == 0:
-                raise RuntimeError("raw tcp: server closed")
-            got += r
-
-    def one(self, i: int, slot: int) -> float:
-        t0 = time.perf_counter()
-        self._get(i, slot % len(self.socks))
-        return time.perf_counter() - t0
-
-    def window(self, i: int, k: int, m: int) -> float:
-        per = [m // k + (1 if s < m % k else 0) for s in range(k)]
-        t0 = time.perf_counter()
-        ths = [threading.Thread(target=lambda s=s: [self._get(i, s) for _ in range(per[s])])
-               for s in range(k)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-
-
-class RawUcxx:
-    def __init__(self, r: dict, sizes: list[int], slots: int):
-        import ucxx
-
-        self.name = "raw-ucx"
-        self.sizes = sizes
-        self.port = r["port"]
-        self.loop = asyncio.new_event_loop()
-
-        async def connect():
-            return [await ucxx.create_endpoint("127.0.0.1", self.port,
-                                               endpoint_error_handling=False)
-                    for _ in range(slots)]
-
-        self.eps = self.loop.run_until_complete(connect())
-        self.bufs = _slots(slots, max(sizes))
-        try:
-            tls = ucxx.get_active_transports()
-        except Exception:
-            tls = "?"
-        self.transport = f"ucxx tag send/recv, endpoint error handling off ({tls})"
-
-    async def _get(self, i: int, slot: int) -> None:
-        from server import ROWS_HEADER  # noqa: PLC0415
-
-        ep = self.eps[slot]
-        await ep.send(np.frombuffer(ROWS_HEADER.pack(i), np.uint8))
-        await ep.recv(self.bufs[slot][: self.sizes[i]])
-
-    def one(self, i: int, slot: int) -> float:
-        t0 = time.perf_counter()
-        self.loop.run_until_complete(self._get(i, slot % len(self.eps)))
-        return time.perf_counter() - t0
-
-    def window(self, i: int, k: int, m: int) -> float:
-        per = [m // k + (1 if s < m % k else 0) for s in range(k)]
-
-        async def lane(s: int) -> None:
-            for _ in range(per[s]):
-                await self._get(i, s)
-
-        async def all_lanes() -> None:
-            await asyncio.gather(*(lane(s) for s in range(k)))
-
-        t0 = time.perf_counter()
-        self.loop.run_until_complete(all_lanes())
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        async def shut():
-            for ep in self.eps:
-                try:
-                    await ep.close()
-                except Exception:
-                    pass
-
-        try:
-            self.loop.run_until_complete(shut())
-        except Exception:
-            pass
-
-
-class Memcpy:
-    name = "memcpy"
-
-    def __init__(self, sizes: list[int]):
-        rng = np.random.default_rng(1)
-        self.src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-        self.dst = _slots(1, max(sizes))[0]
-
-    def one(self, i: int, slot: int) -> float:
-        src = self.src[i]
-        dst = self.dst[: src.nbytes]
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        return time.perf_counter() - t0
-
-
-class Safetensors:
-    """vLLM ECExampleConnector's path: the producer ``save_file``s the tensor into a shared
-    directory, the consumer ``load_file``s it (no fsync, as in vLLM); timed save + load."""
-
-    def __init__(self, name: str, directory: Path, sizes: list[int]):
-        import torch
-
-        self.name = name
-        self.dir = directory
-        rng = np.random.default_rng(2)
-        self.tensors = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
-                        .view(torch.bfloat16).reshape(-1, HIDDEN) for n in sizes]
-
-    def one(self, i: int, slot: int) -> float:
-        from safetensors.torch import load_file, save_file
-
-        path = str(self.dir / f"entry-{i}-{slot}.safetensors")
-        t0 = time.perf_counter()
-        save_file({"ec_cache": self.tensors[i]}, path)
-        out = load_file(path)["ec_cache"]
-        dt = time.perf_counter() - t0
-        del out
-        os.unlink(path)
-        return dt
-
-
-# -- measurements -------------------------------------------------------------------------------
-
-
-def interleaved(paths: list, i: int, warmup: int, reps: int, slots: int) -> dict[str, list[float]]:
-    """One sample per path per rep, A/B/A/B, order reversed on odd reps; warm-up discarded."""
-    samples: dict[str, list[float]] = {p.name: [] for p in paths}
-    for rep in range(warmup + reps):
-        order = paths if rep % 2 == 0 else paths[::-1]
-        for p in order:
-            dt = p.one(i, rep % slots)
-            if rep >= warmup:
-                samples[p.name].append(dt)
-    return samples
-
-
-def throughput(paths: list, i: int, nbytes: int, k: int, reps: int) -> dict[str, dict]:
-    m = max(2 * k, 8)
-    out: dict[str, list[float]] = {p.name: [] for p in paths}
-    for rep in range(reps + 1):  # rep 0 is a warm-up
-        order = paths if rep % 2 == 0 else paths[::-1]
-        for p in order:
-            dt = p.window(i, k, m)
-            if rep:
-                out[p.name].append(m * nbytes / dt / 1e9)
-    res = {}
-    for name, xs in out.items():
-        res[name] = {"gbps": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs),
-                     "entries_per_rep": m}
-    return res
+from common import (
+    BLOCK,
+    HAS_V2,
+    HIDDEN,
+    RAW_NIXL_DELAY_US,
+    Config,
+    MiB,
+    copies_of,
+    log,
+    rows_of,
+    stats,
+)
+from fetchpaths import AnnouncedPath, EctPath, Memcpy, RawNixl, Safetensors, open_raw
+from phases import Phase, Server, interleaved, throughput
+from scope import run_scope
+from vllm_p2p import run_vllm_p2p
 
 
 def recompute(cfg: Config, labels: list[str], sizes: list[int]) -> dict:
@@ -789,32 +133,6 @@ def control_rtt(cfg: Config, z: dict, ect: EctPath, small: int) -> dict:
     d.close(linger=0)
     mode = "curve" if ect.curve else "plain"
     return {f"raw-zmq-{mode}": stats(raw), f"ect-{mode}": stats(ect.rtts[cfg.warmup:])}
-
-
-RAW = {"nixl": RawNixl, "tcp": RawTcp, "ucx": RawUcxx}
-
-
-def _open_raw(ph: Phase, result: dict, plane: str, sizes: list[int], slots: int,
-              delay_us: int = RAW_NIXL_DELAY_US):
-    """Open plane's raw endpoint on both sides (None, error recorded, if it cannot run);
-    ``delay_us``: nixl agents' progress-thread pause on both sides."""
-    try:
-        r = ph.open(f"raw-{plane}", kind="raw", plane=plane, delay_us=delay_us)
-    except Exception as e:
-        result["errors"][f"raw-{plane}"] = str(e)
-        log(f"raw {plane} unavailable (server side): {e}")
-        return None
-    try:
-        raw = ph.add(RawNixl(r, sizes, slots, delay_us) if plane == "nixl"
-                     else RAW[plane](r, sizes, slots))
-    except Exception as e:
-        result["errors"][f"raw-{plane}"] = f"{type(e).__name__}: {e}"
-        log(f"raw {plane} unavailable: {e}")
-        ph.close_remote(r["id"])
-        return None
-    result["transports"][raw.name] = raw.transport
-    raw.remote_id = r["id"]
-    return raw
 
 
 def run(cfg: Config) -> dict:
@@ -903,7 +221,7 @@ def run(cfg: Config) -> dict:
                                                    server.consumer_secret, sizes, max_k))
                         result["transports"][ann.name] = ann.transport
                         log(f"{ann.name}: {ann.offered} of {len(ann.tickets)} offers held")
-                    raw = _open_raw(ph, result, plane, sizes, slots)
+                    raw = open_raw(ph, result, plane, sizes, slots)
                     if raw is not None:
                         raw.name = rawname
                     ph.running()
@@ -938,9 +256,7 @@ def run(cfg: Config) -> dict:
 
         # phases: nixl grant_scope "grant" vs "region" (fetch A/B, then in-process micro)
         if cfg.scope and "nixl" in cfg.planes:
-            import scope  # noqa: PLC0415  (benchmarks/scope.py imports this module)
-
-            scope.run_scope(cfg, result, server, labels, sizes)
+            run_scope(cfg, result, server, labels, sizes)
 
         # phase: N consumers on one producer
         if cfg.consumers:
@@ -953,9 +269,7 @@ def run(cfg: Config) -> dict:
         # phases: vLLM's own P2P stack vs ect-nixl (v2, v1) vs raw-nixl, each alone; last, as
         # they import vLLM into both processes (issue 16; skipped, with the reason, without it)
         if cfg.vllm_p2p:
-            import vllm_p2p  # noqa: PLC0415  (benchmarks/vllm_p2p.py imports this module)
-
-            vllm_p2p.run_vllm_p2p(cfg, result, server, labels, sizes)
+            run_vllm_p2p(cfg, result, server, labels, sizes)
     finally:
         if server is not None:
             server.close()
@@ -1028,7 +342,7 @@ def _solo(cfg: Config, result: dict, server: Server, i: int, sizes: list[int]) -
                                    {j: 1 for j in range(len(sizes))}))
             else:
                 spin = which.startswith("raw-nixl-spin")
-                p = _open_raw(ph, result, "nixl", sizes, 1, 0 if spin else RAW_NIXL_DELAY_US)
+                p = open_raw(ph, result, "nixl", sizes, 1, 0 if spin else RAW_NIXL_DELAY_US)
                 if p is None:
                     continue
                 p.name = which.split("#")[0]
@@ -1111,6 +425,3 @@ def _versions() -> dict:
         except PackageNotFoundError:
             pass
     return out
-
-
-sys.path.insert(0, str(HERE))  # raw paths import server.ROWS_HEADER

@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import common  # noqa: E402
+import fetchpaths  # noqa: E402
+from phases import Server  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plane", default="nixl")
-    ap.add_argument("--size", default="8.8MiB", choices=list(harness.SIZES))
+    ap.add_argument("--size", default="8.8MiB", choices=list(common.SIZES))
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--plain", action="store_true", help="no CURVE")
     ap.add_argument("--busy-timeout-us", type=float, default=None,
@@ -34,13 +36,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.busy_timeout_us is not None:
         _patch_busy_poll(a.busy_timeout_us * 1e-6)
-    cfg = harness.Config(planes=[a.plane], curve_off=a.plain, sizes=[a.size])
-    nbytes = harness.rows_of(a.size) * harness.BLOCK
+    cfg = common.Config(planes=[a.plane], curve_off=a.plain, sizes=[a.size])
+    nbytes = common.rows_of(a.size) * common.BLOCK
     with tempfile.TemporaryDirectory() as tmp:
-        server = harness.Server(cfg, [nbytes], Path(tmp))
+        server = Server(cfg, [nbytes], Path(tmp))
         try:  # as in the benchmark's solo phase: one ProducerNode, one ConsumerNode, nothing else
             _, info = server.open(kind="ect", plane=a.plane, curve=not a.plain)
-            p = harness.EctPath("ect", a.plane, not a.plain, info, server.consumer_secret,
+            p = fetchpaths.EctPath("ect", a.plane, not a.plain, info, server.consumer_secret,
                                 [nbytes], {0: 1})
             phases: dict[str, list[float]] = {}
             walls = []

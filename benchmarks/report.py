@@ -9,7 +9,7 @@ from pathlib import Path
 
 import fanout_report
 import vllm_p2p
-from harness import TARGETS
+from common import TARGETS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -753,8 +753,8 @@ def _scope_section(res: dict) -> list[str]:
            "consumer loads into its agent (`add_remote_agent`) unless it loaded the same bytes "
            "before. `region`: the whole "
            "region is registered once and every grant carries the full agent metadata (vLLM's "
-           "behaviour; `ProducerNode(..., plane_options={\"nixl\": {\"grant_scope\": "
-           "\"region\"}})`). Issue 13's rule: `grant` is the default unless it costs more "
+           "behaviour; `ProducerNode(..., plane_settings=PlanesSettings(nixl="
+           "NixlPlaneSettings(grant_scope=\"region\")))`). Issue 13's rule: `grant` is the default unless it costs more "
            "than 10 % at 8.8 MiB.", ""]
     v = scope_verdict(res)
     if v:

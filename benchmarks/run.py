@@ -17,6 +17,7 @@ if str(HERE) not in sys.path:
 
 import harness  # noqa: E402
 import report  # noqa: E402
+from common import Config  # noqa: E402
 
 DEFAULT_OUT = HERE / "results"
 
@@ -24,7 +25,7 @@ DEFAULT_OUT = HERE / "results"
 def main(quick: bool = False, out: Path | None = None, write_docs: bool | None = None,
          json_only: bool = False) -> dict:
     """Run, print the tables; write JSON (+ PNG and docs/performance.md for a full run) to out."""
-    cfg = harness.Config.quick() if quick else harness.Config.full()
+    cfg = Config.quick() if quick else Config.full()
     res = harness.run(cfg)
     if not quick:  # N consumer processes on one producer (issue 16 item 7): benchmarks/fanout.py
         import fanout  # noqa: PLC0415

@@ -8,7 +8,7 @@ metadata (vLLM's behaviour). Two phases, each opening only what it measures:
 
 * ``nixl-scope``: two ProducerNodes in the producer process, one per scope (nixl only, CURVE on,
   same entries), and one ConsumerNode per scope here; one fetch at a time, interleaved A/B/B/A
-  sample by sample per size (:func:`harness.interleaved`), then pipelined throughput (k = 4) for
+  sample by sample per size (:func:`phases.interleaved`), then pipelined throughput (k = 4) for
   sizes >= ``thr_min_bytes``. Afterwards it records what each plane reports (the producer's live
   grant registrations, the consumer's loaded grant sections) to prove each path ran the scope it
   claims.
@@ -20,7 +20,7 @@ metadata (vLLM's behaviour). Two phases, each opening only what it measures:
   partial metadata alone; the bytes of a grant and of a declaration; and ``ProducerNode.put`` /
   ``reserve`` + ``commit`` (which never call the plane) in each scope.
 
-Results go to ``result["scope"]`` (seconds, as :func:`harness.stats`).
+Results go to ``result["scope"]`` (seconds, as :func:`common.stats`).
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from harness import (
-    BLOCK,
-    HIDDEN,
-    EctPath,
-    MiB,
-    Phase,
-    copies_of,
-    interleaved,
-    log,
-    nixl_env,
-    stats,
-    throughput,
+from common import BLOCK, HIDDEN, MiB, copies_of, log, nixl_env, stats
+from fetchpaths import EctPath
+from phases import Phase, interleaved, throughput
+
+from ectransport.settings_schema import (
+    NixlPlaneSettings,
+    NodeSettings,
+    PlanesSettings,
+    ProducerSettings,
 )
 
 SCOPES = ("grant", "region")
@@ -345,10 +342,13 @@ def _put_commit(cfg, sizes: list[int], labels: list[str]) -> dict:
     try:
         with nixl_env():
             for scope in SCOPES:
-                nodes[scope] = ProducerNode(layout=layout, region_bytes=(max(rows) + 8) * BLOCK,
-                                            security=Security(insecure=True), planes=("nixl",),
-                                            plane_options={"nixl": {"grant_scope": scope}},
-                                            node_id=f"micro-put-{scope}")
+                nodes[scope] = ProducerNode(
+                    layout=layout,
+                    security=Security(insecure=True),
+                    settings=ProducerSettings(region_bytes=(max(rows) + 8) * BLOCK),
+                    node=NodeSettings(planes=("nixl",), node_id=f"micro-put-{scope}"),
+                    plane_settings=PlanesSettings(nixl=NixlPlaneSettings(grant_scope=scope)),
+                )
                 nodes[scope].region.buf[::4096] = 0
         keys = iter(range(1 << 40))
         rng = np.random.default_rng(3)

@@ -26,29 +26,16 @@ import contextlib
 import json
 import os
 import socket
-import struct
 import sys
 import threading
 import traceback
+from typing import Any
 
+import msgspec
 import numpy as np
+from common import ROWS_HEADER, nixl_env
 
-ROWS_HEADER = struct.Struct("!q")  # raw tcp / ucxx request: index of the size (int64)
-
-
-_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
-
-
-@contextlib.contextmanager
-def _nixl_env():
-    """NIXL agents are created without the UCX_* variables ``import ucxx`` injects (see
-    harness.nixl_env: UCX_RNDV_THRESH=8192 slows NIXL READs ~30x here)."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ)
-             if k.startswith("UCX_") and k not in _USER_UCX_ENV}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+from ectransport.settings_schema import NodeSettings, ProducerSettings
 
 
 def _touch(buf: np.ndarray) -> np.ndarray:
@@ -179,7 +166,7 @@ def _nixl_source(sources: list[np.ndarray], delay_us: int) -> tuple:
     from ectransport.data.nixl import new_agent
 
     name = f"bench-raw-producer-{next(_NIXL_IDS)}"
-    with _nixl_env():
+    with nixl_env():
         box = {"agent": new_agent(nixl_agent, name, nixl_agent_config(backends=["UCX"]),
                                   delay_us)}
     agent = box["agent"]
@@ -242,6 +229,18 @@ class _Closer:
 # -- ectransport ------------------------------------------------------------------------------
 
 
+def _plane_settings(plane: str, options: dict | None) -> Any:
+    """The producer's plane settings with ``options`` for ``plane`` (a built-in plane's section,
+    or a plugin's free-form options)."""
+    from ectransport.settings_schema import PlanesSettings
+
+    if not options:
+        return PlanesSettings()
+    builtin = plane in {f.name for f in msgspec.structs.fields(PlanesSettings)} - {"plugins"}
+    return msgspec.convert({plane: options} if builtin else {"plugins": {plane: options}},
+                           PlanesSettings)
+
+
 def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool,
               plane_options: dict | None = None) -> tuple:
     """A started ProducerNode offering ``plane`` (``plane_options``: that plane's constructor
@@ -255,17 +254,29 @@ def _producer(cfg: dict, sources: list[np.ndarray], plane: str, insecure: bool,
     need = sum(-(-s.nbytes // block) * c for s, c in zip(sources, copies, strict=True))
     sec = Security(insecure=True) if insecure else Security.from_files(
         cfg["producer_secret"], allow_dir=cfg["allow_dir"])
-    with _nixl_env():  # the UcxPlane passes its UCX options explicitly, it does not need them
+    with nixl_env():  # the UcxPlane passes its UCX options explicitly, it does not need them
         # pin budget = the whole region (default: a quarter): the harness is one consumer
         # identity whose k-deep window of the largest entries must not wait on NACK_BUSY
         # every entry announced once stored (ECTP v2 §10): held for the whole phase (hold_s at
         # its 1 h bound, holds may pin the whole region), so the announced path reads on tickets
-        node = ProducerNode(layout=layout, region_bytes=(need + 16) * block, security=sec,
-                            planes=(plane,), lease_s=30.0, budget_bytes=(need + 16) * block,
-                            hold_s=3600.0, hold_share=1.0,
-                            plane_options={plane: dict(plane_options)} if plane_options else None,
-                            node_id=f"bench-producer-{plane}-" + ("plain" if insecure else "curve")
-                            + "".join(f"-{v}" for v in (plane_options or {}).values()))
+        node = ProducerNode(
+            layout=layout,
+            security=sec,
+            plane_settings=_plane_settings(plane, plane_options),
+            settings=ProducerSettings(
+                region_bytes=(need + 16) * block,
+                lease_s=30.0,
+                budget_bytes=(need + 16) * block,
+                hold_s=3600.0,
+                hold_share=1.0,
+            ),
+            node=NodeSettings(
+                planes=(plane,),
+                node_id=f"bench-producer-{plane}-"
+                + ("plain" if insecure else "curve")
+                + "".join(f"-{v}" for v in (plane_options or {}).values()),
+            ),
+        )
     try:
         node.start()
         for i, (src, c) in enumerate(zip(sources, copies, strict=True)):
@@ -296,7 +307,7 @@ def _open(cfg: dict, sources: list[np.ndarray], req: dict) -> tuple:
     if kind == "vllm":  # vLLM's own ECCPUConnector P2P producer (vllm_p2p.py, issue 16)
         import vllm_p2p
 
-        return vllm_p2p.open_producer(cfg, sources, req, _nixl_env)
+        return vllm_p2p.open_producer(cfg, sources, req, nixl_env)
     if kind == "raw":
         plane = req["plane"]
         if plane == "nixl":

@@ -32,7 +32,7 @@ by sample here.
 vLLM is found where it is importable, else in ``$VLLM_VENV`` or the checkout's ``.venv-vllm``
 (``scripts/setup-vllm-venv.sh``; its site-packages are appended to ``sys.path``, after this
 interpreter's own); without it the phases are skipped and ``result["vllm_p2p"]["skipped"]`` says
-why. Results: ``result["vllm_p2p"]`` (seconds, as :func:`harness.stats`).
+why. Results: ``result["vllm_p2p"]`` (seconds, as :func:`common.stats`).
 """
 
 from __future__ import annotations
@@ -87,6 +87,23 @@ def _venv_site() -> Path | None:
     return None
 
 
+def _venv_site_dirs(site: Path) -> list[str]:
+    """The other site directories the vLLM venv sees (its base interpreter's, through
+    ``--system-site-packages``, and the enclosing environment's, through
+    ``scripts/link-parent-env.py``): vLLM's dependencies may live there. Empty if the venv's
+    Python cannot say."""
+    import subprocess
+
+    py = site.parents[2] / "bin" / "python"
+    try:
+        out = subprocess.run([str(py), "-c", "import sys; print('\\n'.join(sys.path))"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [d for d in out.splitlines()
+            if Path(d).name in ("site-packages", "dist-packages") and Path(d).is_dir()]
+
+
 def find_vllm() -> str | None:
     """Make vLLM importable if it can be (no import: cheap); None, or why it cannot."""
     if importlib.util.find_spec("vllm") is None:
@@ -94,8 +111,9 @@ def find_vllm() -> str | None:
         if site is None:
             return ("vllm is not importable in this interpreter and no vLLM venv was found "
                     "(bash scripts/setup-vllm-venv.sh builds .venv-vllm; or set VLLM_VENV)")
-        if str(site) not in sys.path:
-            sys.path.append(str(site))  # after this interpreter's own packages
+        for d in [str(site), *_venv_site_dirs(site)]:
+            if d not in sys.path:
+                sys.path.append(d)  # after this interpreter's own packages
         importlib.invalidate_caches()
         if importlib.util.find_spec("vllm") is None:
             return f"vllm not importable from {site}"
@@ -257,7 +275,7 @@ class VllmP2PPath:
                  ack_timeout_s: float = 5.0, timeout_s: float = 60.0,
                  agent_env=contextlib.nullcontext, name: str = PATH):
         """``info``: what the server's ``open kind=vllm`` answered (its ``delay_us`` is used
-        here too); ``agent_env``: as for :class:`Producer` (the bench's ``harness.nixl_env``)."""
+        here too); ``agent_env``: as for :class:`Producer` (the bench's ``common.nixl_env``)."""
 
         import zmq
 
@@ -351,7 +369,8 @@ class VllmP2PPath:
 
 def _open(name: str, ph, result: dict, server, sizes: list[int], block_bytes: int):
     """Open path ``name`` in both processes within phase ``ph``; the bench path."""
-    from harness import HAS_V2, EctPath, _open_raw, nixl_env
+    from common import HAS_V2, nixl_env
+    from fetchpaths import EctPath, open_raw
 
     if name in (PATH, PATH_PAUSED):
         info = ph.open(name, kind="vllm", delay_us=None if name == PATH else PAUSED_US)
@@ -369,13 +388,14 @@ def _open(name: str, ph, result: dict, server, sizes: list[int], block_bytes: in
                            dict.fromkeys(range(len(sizes)), 1), versions=(1,) if v1 else None))
         p.breakdown = {}  # Fetched.timings deltas per fetch phase, as vLLM's ack / read
         return p
-    return _open_raw(ph, result, "nixl", sizes, 1)
+    return open_raw(ph, result, "nixl", sizes, 1)
 
 
 def run_vllm_p2p(cfg, result: dict, server, labels: list[str], sizes: list[int]) -> None:
     """The ``vllm-p2p`` phases (module docstring); ``result["vllm_p2p"]``. Never raises: a
     missing vLLM or a failing phase is recorded (``skipped`` / ``errors``) and the run goes on."""
-    from harness import BLOCK, HAS_V2, MiB, Phase, copies_of, interleaved, log, stats
+    from common import BLOCK, HAS_V2, MiB, copies_of, log, stats
+    from phases import Phase, interleaved
 
     res = result.setdefault("vllm_p2p", {"label": LABEL, "path": PATH,
                                          "target_speedup": TARGET_SPEEDUP})

@@ -5,29 +5,41 @@ change in any release (the shm example plugin imports nothing else, and its test
 The guide is ``docs/plugins.md``; the conformance kit (:mod:`ectransport.testing.conformance`)
 checks a plane against this contract, including its :data:`PLUGIN_API_VERSION`.
 
-**Versioning.** :data:`PLUGIN_API_VERSION` (now **2**) versions this module as a whole. A plane
+**Versioning.** :data:`PLUGIN_API_VERSION` (now **3**) versions this module as a whole. A plane
 declares the version it implements (``plugin_api_version = PLUGIN_API_VERSION``); the registry
-loads only planes that declare the running version, so a plane written for another one is skipped
-(logged), never half-working. Every name below is stable under API 2: its signature and meaning
-change only with a new API version. Names may be *added* within a version (a plane that uses one
-needs the ectransport release that added it: pin your range, e.g. ``ectransport>=0.1,<0.2``).
+loads planes that declare the running version, and API-2 planes through its adapter (they are
+``DataTransport`` subclasses, loaded with both halves); a plane written for any other version is
+skipped (logged), never half-working. Every name below is stable under API 3: its signature and
+meaning change only with a new API version. Names may be *added* within a version (a plane that
+uses one needs the ectransport release that added it: pin your range, e.g.
+``ectransport>=0.1,<0.2``).
 
-The contract (all since API 2; API 1 had no ``identity`` and no session binding):
+The contract (API 3 split it into two halves; API 2 had ``DataTransport`` only, API 1 had no
+``identity`` and no session binding):
 
 ================================  ===============================================================
-``DataTransport``                 base class of every plane: ``describe``/``revoke``/
-                                  ``poll_notifications`` (producer), ``start``/``check``/
-                                  ``release`` (consumer), ``locality``/``reachable``/``endpoint``/
-                                  ``bind_peer``/``unbind_peer`` (session binding), ``close``,
-                                  ``probe``, ``describe_transport``; constructed as
+``PlaneBase``                     what both halves share: ``name``, ``capabilities``,
+                                  ``plugin_api_version``, ``probe``, ``describe_transport``,
+                                  ``close``; constructed as
                                   ``Plane(node_id=, region=, identity=, **options)``
+``ServingPlane``                  the producer's half: ``describe``/``revoke``/
+                                  ``poll_notifications``, ``endpoint``/``reachable`` (session
+                                  binding)
+``FetchingPlane``                 the consumer's half: ``start``/``check``/``error_detail``/
+                                  ``release``, ``locality``/``bind_peer``/``unbind_peer``/
+                                  ``forget_peer`` (session binding)
+``DataTransport``                 both halves in one class (every built-in plane; what API 2
+                                  called a plane, method for method)
+``plane_halves``, ``SERVE``,      which halves a plane class declares (``("serve", "fetch")``,
+``FETCH``                         ``("serve",)``, ``("fetch",)``): the classes it derives from
 ``Capabilities``,                 what a plane declares (model READ/PUSH, memory kinds, largest
 ``TransferModel``                 transfer, notifications, address options)
 ``XferState``                     ``check``'s answer: PROC, DONE, ERR
 ``RegionLike``                    what a plane may use of the node's region (``addr``,
                                   ``nbytes``, ``block_bytes``, ``mem_kind``; usually ``buf``)
 ``Run``                           a run of blocks (``start``, ``count``) of the region
-``PLUGIN_API_VERSION``            this API's version (2)
+``PLUGIN_API_VERSION``,           this API's version (3), and the versions the registry loads
+``SUPPORTED_API_VERSIONS``        (2 and 3)
 ``MAX_ENDPOINT_BYTES``,           bounds of ``endpoint()`` (64 KiB) and ``locality()`` (256 B)
 ``MAX_LOCALITY_BYTES``
 ``identity_of``                   the identity string of a CURVE public key (16 hex digits)
@@ -60,11 +72,12 @@ The socket-serving toolkit (since API 2), for PUSH planes whose producer serves 
 a stream socket — the TCP plane and the shm plugin are built on it:
 
 ================================  ===============================================================
-``SocketServingPlane``            base class: options, grant registry with tokens and the revoke
-                                  rule, accept and per-connection threads, receive threads,
-                                  connection pool with the "nothing unread" rule, framing and
-                                  bounded reads, teardown; the subclass adds its listener and
-                                  connections, its grant, its binding and how the payload moves
+``SocketServingPlane``            base class (both halves): options, grant registry with tokens
+                                  and the revoke rule, accept and per-connection threads, receive
+                                  threads, connection pool with the "nothing unread" rule,
+                                  framing and bounded reads, teardown; the subclass adds its
+                                  listener and connections, its grant, its binding and how the
+                                  payload moves
 ``GrantLike``, ``RequestLike``,   what the base reads of a plane's grant and frames
 ``ReplyLike``
 ``ServedGrant``, ``GrantTable``   a registered grant (``step()``: the revocable unit of a send)
@@ -94,15 +107,22 @@ does not import it.
 from __future__ import annotations
 
 from ectransport.data.base import (
+    FETCH,
     MAX_ENDPOINT_BYTES,
     MAX_LOCALITY_BYTES,
     PLUGIN_API_VERSION,
+    SERVE,
+    SUPPORTED_API_VERSIONS,
     Capabilities,
     DataTransport,
+    FetchingPlane,
+    PlaneBase,
     RegionLike,
+    ServingPlane,
     TransferModel,
     XferState,
     identity_of,
+    plane_halves,
 )
 from ectransport.data.binding import (
     ENDPOINT_VERSION,
@@ -154,9 +174,10 @@ from ectransport.store import Run
 
 __all__ = [
     # the contract
-    "MAX_ENDPOINT_BYTES", "MAX_LOCALITY_BYTES", "PLUGIN_API_VERSION", "Capabilities",
-    "ConfigError", "DataPlaneError", "DataTransport", "ECTransportError", "PlaneUnavailable",
-    "RegionLike", "Run", "TransferModel", "XferState", "identity_of",
+    "FETCH", "MAX_ENDPOINT_BYTES", "MAX_LOCALITY_BYTES", "PLUGIN_API_VERSION", "SERVE",
+    "SUPPORTED_API_VERSIONS", "Capabilities", "ConfigError", "DataPlaneError", "DataTransport",
+    "ECTransportError", "FetchingPlane", "PlaneBase", "PlaneUnavailable", "RegionLike", "Run",
+    "ServingPlane", "TransferModel", "XferState", "identity_of", "plane_halves",
     # helpers
     "ENDPOINT_VERSION", "SERVING_DEFAULTS", "HostBinding", "HostEndpoint", "ServingOptions",
     "Span", "bind_host_endpoint", "check_grant", "check_runs", "endpoint_bytes", "merge_runs",

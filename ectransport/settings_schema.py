@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import msgspec
 from msgspec import Meta
 from msgspec import inspect as mi
 
+from ectransport.errors import ConfigError
 from ectransport.protocol import SUPPORTED_VERSIONS
 
 MiB = 1 << 20
@@ -77,7 +78,26 @@ def doc(text: str, *, flag: str | None = None, path: bool = False, cli: Differs 
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    pass
+    def options(self) -> dict[str, Any]:
+        """The fields as keyword arguments (unset values and empty maps left out)."""
+        d = msgspec.structs.asdict(self)
+        return {k: v for k, v in d.items() if v is not None and v != {}}
+
+
+S = TypeVar("S", bound=_Section)
+
+
+def checked(section: S) -> S:
+    """``section`` if every field is of its type and within its range (msgspec checks ranges
+    only when decoding, not when a Struct is built in Python).
+
+    Raises:
+        ConfigError: naming the first field that is not, and what it must be.
+    """
+    try:
+        return msgspec.convert(msgspec.to_builtins(section), type(section))
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ConfigError(f"{type(section).__name__}: {e}") from None
 
 
 # -- the sections ---------------------------------------------------------------------------------
@@ -133,6 +153,46 @@ class SecuritySettings(_Section, frozen=True):
         "plain ZMQ without CURVE: no authentication, no encryption (anyone who reaches the port "
         "can pin and read entries); both sides must agree"
     )] = False
+
+
+class TrustSettings(_Section, frozen=True):
+    """Fleet trust: node certificates from a deployment CA (``ectransport.trust``,
+    ``docs/fleet-trust.md``), alone or with the allow-lists of ``[security]``."""
+
+    trust_ca: Annotated[tuple[Text, ...], doc(
+        "CA public key files (`ectransport keys ca init` writes ca-public.pem) whose node "
+        "certificates this node accepts; several during a CA rotation; re-read on change",
+        path=True,
+    )] = ()
+    cert_file: Annotated[Text | None, doc(
+        "this node's certificate (`ectransport keys issue`), shown to peers in Hello/Welcome; "
+        "it must be for this node's CURVE key", path=True,
+    )] = None
+    revocation_file: Annotated[tuple[Text, ...], doc(
+        "signed revocation list files (`ectransport keys revoke`; one per CA, or several lists "
+        "in one file), re-read within revocation_reload_s", path=True,
+    )] = ()
+    admission: Annotated[Literal["allow_list", "certificate", "either", "both"], doc(
+        "how peers are admitted: the allow-list only, a valid certificate only, either of "
+        "them, or both (certificate modes need trust_ca)"
+    )] = "allow_list"
+    clock_skew_s: Annotated[float, doc(
+        "a certificate is accepted this long before its not_before and after its not_after "
+        "(clocks of CA and nodes differ), s", ge=0, le=3600,
+    )] = 300.0
+    revocation_reload_s: Annotated[float, doc(
+        "the CA and revocation list files are checked for changes this often; a revoked "
+        "node's live sessions end at the next check, s", gt=0, le=3600,
+    )] = 2.0
+    expiry_check_s: Annotated[float, doc(
+        "live sessions' certificates are re-checked (expiry, revocation) this often, s",
+        gt=0, le=3600,
+    )] = 30.0
+
+    def __post_init__(self) -> None:
+        if self.admission != "allow_list" and not self.trust_ca:
+            raise ValueError(f"admission {self.admission!r} needs trust_ca (the CA public key "
+                             "files that certificates are checked against)")
 
 
 class ProducerSettings(_Section, frozen=True):
@@ -213,6 +273,22 @@ class ConsumerSettings(_Section, frozen=True):
         "ECTP v2: the largest entry accepted inline in the producer's answer (copied in; no "
         "READ, no XferDone), bytes; 0 = never", ge=0, le=MiB,
     )] = 64 << 10
+    validity_margin_s: Annotated[float, doc(
+        "a grant is used only until request sent + lease - this margin (at most a quarter of "
+        "the lease), s (ECTP v1 6.3)", ge=0,
+    )] = 0.25
+    wait_margin_s: Annotated[float, doc(
+        "ECTP v2: a batched request asks the producer to wait for entries not yet ready for the "
+        "fetch's remaining time minus this margin (at most a quarter of it), s", ge=0,
+    )] = 0.25
+    request_notifications: Annotated[bool, doc(
+        "ask the data plane to notify the producer of completion too (a backstop for a "
+        "consumer that dies between READ and XferDone; +0.15 ms per small NIXL fetch)"
+    )] = False
+    offers: Annotated[bool, doc(
+        "ECTP v2: ask producers for offers of the entries they announce, so that a fetch given "
+        "their ticket reads with no request"
+    )] = True
 
 
 class _ControlSocketSettings(_Section, frozen=True):
@@ -297,6 +373,11 @@ class PlanesSettings(_Section, frozen=True):
     ucx: UcxPlaneSettings = msgspec.field(default_factory=UcxPlaneSettings)
     nixl: NixlPlaneSettings = msgspec.field(default_factory=NixlPlaneSettings)
 
+    def options(self) -> dict[str, dict[str, Any]]:
+        """Plane name → constructor options (unset values left to the plane's defaults)."""
+        return {"tcp": self.tcp.options(), "ucx": self.ucx.options(),
+                "nixl": self.nixl.options(), **{k: dict(v) for k, v in self.plugins.items()}}
+
 
 class MetricsSettings(_Section, frozen=True):
     port: Annotated[Port | None, doc(
@@ -328,6 +409,105 @@ class DemoSettings(_Section, frozen=True):
     producer_stop_timeout_s: Annotated[Seconds, doc(
         "`demo`: SIGTERM -> SIGKILL of the producer, s"
     )] = 15.0
+
+
+class FleetSettings(_Section, frozen=True):
+    """The fleet-wide encoder-cache directory on Redis/Valkey (``ectransport.fleet``,
+    ``docs/fleet.md``): who holds which mm_hash, instance liveness, claims."""
+
+    url: Annotated[Text | None, doc(
+        "the directory's Redis/Valkey server, redis://[user@]host:port[/db] (rediss:// = TLS); "
+        "a password goes in password_file, never in the URL; unset = no directory",
+        flag="--redis-url",
+    )] = None
+    username: Annotated[Text | None, doc(
+        "Redis ACL user (AUTH user password); unset = the URL's, or the default user",
+        flag="--redis-username",
+    )] = None
+    password_file: Annotated[Text | None, doc(
+        "file holding the Redis password (AUTH), trailing newline stripped; unset = no AUTH",
+        flag="--redis-password-file", path=True,
+    )] = None
+    tls: Annotated[bool, doc(
+        "TLS to Redis (also implied by a rediss:// URL)", flag="--redis-tls",
+    )] = False
+    tls_ca_file: Annotated[Text | None, doc(
+        "CA bundle that verifies the Redis server certificate; unset = the system's",
+        flag="--redis-tls-ca-file", path=True,
+    )] = None
+    tls_cert_file: Annotated[Text | None, doc(
+        "client certificate for Redis TLS (mutual TLS); unset = none",
+        flag="--redis-tls-cert-file", path=True,
+    )] = None
+    tls_key_file: Annotated[Text | None, doc(
+        "private key of tls_cert_file", flag="--redis-tls-key-file", path=True,
+    )] = None
+    tls_check_hostname: Annotated[bool, doc(
+        "check that the Redis server certificate names the URL's host",
+        flag="--redis-tls-check-hostname",
+    )] = True
+    namespace: Annotated[Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], doc(
+        "prefix of every directory key (one namespace per fleet sharing a Redis)",
+        flag="--fleet-namespace",
+    )] = "ect"
+    instance: Annotated[Text | None, doc(
+        "this instance's name in the directory (unique in the fleet); unset = the node id",
+        flag="--fleet-instance",
+    )] = None
+    liveness_ttl_s: Annotated[float, doc(
+        "an instance's liveness record lasts this long unless renewed (every third of it); its "
+        "entries are no longer returned once it lapses, s", ge=0.5, le=300,
+        flag="--fleet-ttl-s",
+    )] = 3.0
+    lookup_timeout_s: Annotated[float, doc(
+        "deadline of one lookup round trip (a lookup that runs out is a miss), s", gt=0, le=10,
+        flag="--fleet-lookup-timeout-s",
+    )] = 0.1
+    op_timeout_s: Annotated[float, doc(
+        "deadline of one background directory operation (publish, liveness renewal, claim), s",
+        gt=0, le=60, flag="--redis-timeout-s",
+    )] = 1.0
+    connect_timeout_s: Annotated[float, doc(
+        "deadline of a TCP (+TLS, AUTH) connection to Redis, s", gt=0, le=60,
+        flag="--redis-connect-timeout-s",
+    )] = 0.5
+    retry_backoff_s: Annotated[float, doc(
+        "after a failed directory call, calls answer 'unavailable' at once for this long before "
+        "Redis is tried again, s (doubling)", gt=0, le=60, flag="--fleet-retry-backoff-s",
+    )] = 0.1
+    retry_backoff_max_s: Annotated[float, doc(
+        "longest such wait, s", gt=0, le=600, flag="--fleet-retry-backoff-max-s",
+    )] = 2.0
+    claim_ttl_s: Annotated[float, doc(
+        "a claim to encode an item expires this long after it was taken unless renewed or "
+        "released (a claimant that dies releases it so), s", ge=0.1, le=600,
+        flag="--fleet-claim-ttl-s",
+    )] = 10.0
+    claim_wait_s: Annotated[float, doc(
+        "an instance that lost the claim waits this long at most for the claimant's entry, "
+        "then encodes itself, s; 0 = never wait", ge=0, le=600, flag="--fleet-claim-wait-s",
+    )] = 5.0
+    claim_poll_max_s: Annotated[float, doc(
+        "longest pause between two polls of a claimed item while waiting (the first is 5 ms, "
+        "doubling), s", gt=0, le=5, flag="--fleet-claim-poll-max-s",
+    )] = 0.05
+    max_holders: Annotated[int, doc(
+        "holders read per mm_hash in one lookup (a random sample when more hold it)",
+        ge=1, le=1024, flag="--fleet-max-holders",
+    )] = 16
+    max_entry_bytes: Annotated[int, doc(
+        "holder records announcing a larger entry are dropped as hostile, bytes", ge=1,
+        flag="--fleet-max-entry-bytes",
+    )] = 4 * GiB
+    publish_queue_max: Annotated[int, doc(
+        "publish/unpublish operations queued while Redis is unreachable; beyond it the queue is "
+        "dropped and the instance re-publishes everything it holds on reconnect", ge=1,
+        flag="--fleet-publish-queue-max",
+    )] = 65536
+    gc_after_s: Annotated[float, doc(
+        "an instance whose liveness lapsed this long ago is removed from the directory with its "
+        "entries, by whichever live instance notices, s", ge=1, flag="--fleet-gc-after-s",
+    )] = 60.0
 
 
 class VllmSettings(_Section, frozen=True):
@@ -380,6 +560,7 @@ class Settings(_Section, frozen=True):
     layout: LayoutSettings = msgspec.field(default_factory=LayoutSettings)
     node: NodeSettings = msgspec.field(default_factory=NodeSettings)
     security: SecuritySettings = msgspec.field(default_factory=SecuritySettings)
+    trust: TrustSettings = msgspec.field(default_factory=TrustSettings)
     producer: ProducerSettings = msgspec.field(default_factory=ProducerSettings)
     consumer: ConsumerSettings = msgspec.field(default_factory=ConsumerSettings)
     control: ControlSettings = msgspec.field(default_factory=ControlSettings)
@@ -387,53 +568,12 @@ class Settings(_Section, frozen=True):
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     log: LogSettings = msgspec.field(default_factory=LogSettings)
     demo: DemoSettings = msgspec.field(default_factory=DemoSettings)
+    fleet: FleetSettings = msgspec.field(default_factory=FleetSettings)
 
     # -- what the nodes take ------------------------------------------------------------------
     def plane_options(self) -> dict[str, dict[str, Any]]:
         """Plane name → constructor options (unset values left to the node/plane defaults)."""
-
-        def opts(section: _Section) -> dict[str, Any]:
-            d = msgspec.structs.asdict(section)
-            return {k: v for k, v in d.items() if v is not None and v != {}}
-
-        return {"tcp": opts(self.planes.tcp), "ucx": opts(self.planes.ucx),
-                "nixl": opts(self.planes.nixl),
-                **{k: dict(v) for k, v in self.planes.plugins.items()}}
-
-    def producer_node_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``ProducerNode`` (all but ``layout`` and ``security``)."""
-        p = self.producer
-        return {"region_bytes": p.region_bytes, "host": p.host, "port": p.port,
-                "advertise_host": p.advertise_host,
-                "planes": self.node.planes, "lease_s": p.lease_s,
-                "budget_bytes": p.budget_bytes, "grace_s": p.grace_s,
-                "max_wait_s": p.max_wait_s, "inline_max_bytes": p.inline_max_bytes,
-                "hold_s": p.hold_s, "hold_share": p.hold_share,
-                "node_id": self.node.node_id, "versions": self.node.versions,
-                "plane_options": self.plane_options(),
-                "control_options": msgspec.structs.asdict(self.control.server)}
-
-    def consumer_node_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``ConsumerNode`` (all but ``layout`` and ``security``)."""
-        c = self.consumer
-        return {"region_bytes": c.region_bytes, "planes": self.node.planes,
-                "ack_timeout_s": c.ack_timeout_s, "read_timeout_s": c.read_timeout_s,
-                "quarantine_s": c.quarantine_s, "fetch_timeout_s": c.fetch_timeout_s,
-                "inline_max_bytes": c.inline_max_bytes,
-                "node_id": self.node.node_id, "versions": self.node.versions,
-                "plane_options": self.plane_options(),
-                "control_options": msgspec.structs.asdict(self.control.client),
-                "session_options": self.session_options()}
-
-    def session_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``ConsumerConfig`` that ``ConsumerNode`` does not take itself."""
-        c = self.consumer
-        return {k: getattr(c, k) for k in SESSION_KEYS}
-
-
-#: ConsumerSettings fields that go to the consumer session (``session_options=``).
-SESSION_KEYS = ("hello_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "peer_backoff_s",
-                "peer_backoff_max_s")
+        return self.planes.options()
 
 
 # -- the leaves: what the generators walk ---------------------------------------------------------

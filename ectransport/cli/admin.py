@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ectransport.cli.main import cli, friendly
+from ectransport.cli.app import cli, friendly
 from ectransport.cli.options import cli_settings, config_option
 
 # -- keys ----------------------------------------------------------------------------------------
@@ -16,7 +16,8 @@ from ectransport.cli.options import cli_settings, config_option
 
 @cli.group()
 def keys():
-    """Manage CurveZMQ key pairs and allow-lists (zcert format, usable by other ZeroMQ tools)."""
+    """Manage CurveZMQ key pairs and allow-lists (zcert format, usable by other ZeroMQ tools),
+    and fleet trust: a deployment CA, node certificates, revocation lists."""
 
 
 @keys.command("generate")
@@ -42,12 +43,25 @@ def keys_generate(out_dir, name, force):
 
 @keys.command("show")
 @click.argument("key_file", type=click.Path(path_type=Path))
+@click.option("--ca", "ca_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="For a certificate or revocation list: check it against this CA public key "
+                   "file (repeat the option for several CAs); exit 1 if it does not verify.")
+@click.option("--revocations", "revocation_files", multiple=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="For a certificate: also check it against these revocation list files.")
 @friendly
-def keys_show(key_file):
-    """Print the public key of a key file (public or secret)."""
+def keys_show(key_file, ca_files, revocation_files):
+    """Print the public key of a key file (public or secret); for a node certificate its
+    name, role, key, serial and validity (and, with --ca, whether it verifies); for a
+    revocation list or a CA public key file what it holds."""
+    from ectransport.cli.trust_show import show_trust_file
     from ectransport.control.keys import load_public
 
-    click.echo(load_public(key_file))
+    shown = show_trust_file(key_file, ca_files, revocation_files)
+    if shown is None:
+        click.echo(load_public(key_file))
+    elif not shown:
+        raise SystemExit(1)
 
 
 @keys.command("allow")
@@ -82,21 +96,25 @@ def planes():
     from rich.console import Console
     from rich.table import Table
 
-    from ectransport.data.registry import discover, try_load
+    from ectransport.data.base import plane_halves
+    from ectransport.data.registry import declared_api_version, discover, try_load
 
     table = Table(title="data planes")
-    for col in ("name", "from", "model", "memory", "notifications", "usable here"):
+    for col in ("name", "from", "api", "model", "memory", "notifications", "usable here"):
         table.add_column(col)
     for name, info in sorted(discover().items()):
         cls = try_load(name)
         if cls is None:
-            table.add_row(name, info.dist, "?", "?", "?", "[red]no: failed to load[/red]")
+            table.add_row(name, info.dist, "?", "?", "?", "?", "[red]no: failed to load[/red]")
             continue
+        # the plugin API the plane declares (2: through the registry's adapter) and its halves
+        halves = plane_halves(cls)
         ok, why = cls.probe()
         caps = cls.capabilities
         table.add_row(
             name,
             info.dist + (f" (shadows {', '.join(info.shadowed)})" if info.shadowed else ""),
+            f"{declared_api_version(cls)} {'both' if len(halves) == 2 else halves[0]}",
             caps.transfer_model.value,
             ",".join(sorted(caps.mem_kinds)),
             "yes" if caps.notifications else "no",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from ectransport.cli.main import cli, friendly
+from ectransport.cli.app import cli, friendly
 from ectransport.errors import ConfigError
 
 

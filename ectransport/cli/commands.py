@@ -16,28 +16,12 @@ from pathlib import Path
 
 import click
 
-from ectransport.cli import admin  # noqa: F401  (registers keys, planes, config, doctor)
-from ectransport.cli.main import cli, friendly
+from ectransport.cli.app import cli, friendly
 from ectransport.cli.options import cli_settings, config_option, setting_options
+from ectransport.cli.reference import demo_layout, reference_layout
 from ectransport.errors import ConfigError
 
 # -- shared helpers ------------------------------------------------------------------------------
-
-
-def demo_layout(hidden: int, dtype: str, seed: int):
-    """The reference encoder (imports torch) and the layout of its outputs."""
-    from ectransport.demo.encoder import ReferenceEncoder
-
-    enc = ReferenceEncoder(hidden=hidden, dtype=dtype, seed=seed)
-    return enc, reference_layout(hidden, dtype, seed)
-
-
-def reference_layout(hidden: int, dtype: str, seed: int):
-    """The layout of the reference encoder's outputs, without building the encoder (fast)."""
-    from ectransport.demo.encoder import reference_model_id
-    from ectransport.node.common import Layout
-
-    return Layout(model_id=reference_model_id(hidden, seed), dtype=dtype, hidden=hidden)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -73,8 +57,6 @@ def demo(ctx, json_out, config_file):
 
     loaded = cli_settings(ctx, config_file)
     s = loaded.settings
-    kwargs = s.consumer_node_kwargs()
-    kwargs.pop("planes")
     ok = run_demo(
         images=Path(s.producer.images) if s.producer.images else None,
         hidden=s.layout.hidden,
@@ -85,7 +67,7 @@ def demo(ctx, json_out, config_file):
         insecure=s.security.insecure,
         json_out=json_out,
         config_file=loaded.file,
-        node_kwargs=kwargs,
+        settings=s,
         start_timeout_s=s.demo.producer_start_timeout_s,
         stop_timeout_s=s.demo.producer_stop_timeout_s,
     )
@@ -141,7 +123,7 @@ def serve(ctx, ready_file, progress_json, config_file):
         if allow_dir is not None and not allow_dir.is_dir():
             raise ConfigError(f"--allow-dir {allow_dir} is not a directory")
         security = Security.from_files(str(key_file), str(allow_dir) if allow_dir else None)
-    node = ProducerNode(layout=layout, security=security, **s.producer_node_kwargs())
+    node = ProducerNode.from_settings(s, layout=layout, security=security)
     metrics = None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -252,7 +234,7 @@ def fetch(ctx, address, mm_hashes, out, config_file):
         out.mkdir(parents=True, exist_ok=True)
     assert isinstance(layout, Layout)
     misses = 0
-    with ConsumerNode(layout=layout, security=security, **s.consumer_node_kwargs()) as node:
+    with ConsumerNode.from_settings(s, layout=layout, security=security) as node:
         peer = ProducerAddress(host, port, pub)
         plane = node.connect(peer, timeout_s=min(timeout_s, s.consumer.connect_timeout_s))
         click.echo(

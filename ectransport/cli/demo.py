@@ -18,13 +18,14 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ectransport.errors import ConfigError, PlaneUnavailable
-from ectransport.settings_schema import CLI
+from ectransport.settings_schema import CLI, Settings
 
 PRODUCER_START_TIMEOUT_S = CLI.demo.producer_start_timeout_s
 
@@ -46,14 +47,14 @@ def _reader(stream, q: queue.Queue) -> None:
 
 def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats: int,
              planes: tuple[str, ...], insecure: bool, json_out: Path | None,
-             config_file: Path | None = None, node_kwargs: dict | None = None,
+             config_file: Path | None = None, settings: Settings | None = None,
              start_timeout_s: float = PRODUCER_START_TIMEOUT_S,
              stop_timeout_s: float = CLI.demo.producer_stop_timeout_s) -> bool:
     """Run the demo; returns True when every item was fetched and verified bit for bit.
 
-    ``config_file`` is passed on to the producer (``serve --config``); ``node_kwargs`` are more
-    ``ConsumerNode`` arguments (timeouts, plane and control options from the settings)."""
-    from ectransport.cli.commands import demo_layout
+    ``config_file`` is passed on to the producer (``serve --config``); ``settings`` are the
+    consumer's (timeouts, plane and control options; default: the CLI's defaults)."""
+    from ectransport.cli.reference import demo_layout
     from ectransport.control.keys import allow_key, generate_keypair
     from ectransport.demo.images import bundled_images_dir, load_images
     from ectransport.node.common import Security
@@ -90,7 +91,7 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
             info = _wait_ready(proc, errlog, len(items), console, start_timeout_s)
             return _consume(console, info, items, encoder, layout, security, planes, repeats,
                             insecure, proc.pid, json_out, ConsumerNode, ProducerAddress,
-                            node_kwargs or {})
+                            settings)
         finally:
             proc.terminate()
             try:
@@ -132,7 +133,7 @@ def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console,
 
 
 def _consume(console, info, items, encoder, layout, security, planes, repeats, insecure, pid,
-             json_out, ConsumerNode, ProducerAddress, node_kwargs=None) -> bool:
+             json_out, ConsumerNode, ProducerAddress, settings=None) -> bool:
     addr = ProducerAddress(info["host"], info["port"], info.get("public_key"))
     console.print(f"producer: pid {pid} on {addr.host}:{addr.port}, "
                   f"CURVE {'OFF (--insecure)' if insecure else 'on, consumer key allow-listed'}, "
@@ -142,8 +143,9 @@ def _consume(console, info, items, encoder, layout, security, planes, repeats, i
     console.print(f"consumer: pid {os.getpid()}, {n} item{'s' * (n != 1)} x {repeats} "
                   f"fetch{'es' * (repeats != 1)}; recomputing each item locally to verify")
     rows, all_ok = [], True
-    with ConsumerNode(layout=layout, security=security, planes=planes,
-                      **(node_kwargs or {})) as node, Progress(
+    s = settings if settings is not None else CLI
+    s = msgspec.structs.replace(s, node=msgspec.structs.replace(s.node, planes=tuple(planes)))
+    with ConsumerNode.from_settings(s, layout=layout, security=security) as node, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=True,
             disable=not console.is_terminal) as progress:

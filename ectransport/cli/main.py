@@ -1,95 +1,29 @@
-"""The ``ectransport`` command line.
+"""The ``ectransport`` command line: the group (:mod:`ectransport.cli.app`) with every
+subcommand module imported here, by name.
 
 Subcommands: ``demo`` (the main job: producer and consumer as two processes), ``serve`` and
-``fetch`` (the two halves on different machines), ``keys`` (CURVE key management), ``planes``
-(installed data planes), ``config show`` (the effective settings), ``doctor`` (what this machine
-offers). Every expected failure prints one ``error:`` line and exits non-zero.
-
-Settings come from defaults < ``--config FILE`` (TOML; default ``$ECTRANSPORT_CONFIG``) <
-``ECTRANSPORT_SECTION__KEY`` environment variables < the flags typed (see ``ectransport.config``).
+``fetch`` (the two halves on different machines; :mod:`~ectransport.cli.commands`), ``keys``
+(CURVE key management; ``keys ca``, ``issue`` and ``revoke`` are in :mod:`~ectransport.cli.certs`),
+``planes`` (installed data planes), ``config show`` (the effective settings), ``doctor`` (what
+this machine offers; :mod:`~ectransport.cli.admin`), ``bench``
+(:mod:`~ectransport.cli.bench`), ``fleet status|who-has`` (the fleet directory;
+:mod:`~ectransport.cli.fleet`). Every expected failure prints one ``error:`` line and exits
+non-zero.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-from pathlib import Path
-from typing import Any
+from ectransport.cli import admin, bench, certs, commands, fleet
+from ectransport.cli.app import EXIT_ERROR, cli, friendly
 
-import click
+__all__ = ["EXIT_ERROR", "SUBCOMMAND_MODULES", "cli", "friendly", "main"]
 
-from ectransport import __version__
-from ectransport.cli.options import help_text, option
-from ectransport.errors import ECTransportError
-from ectransport.settings_schema import LEAVES
-
-EXIT_ERROR = 2
-
-
-def friendly(fn):
-    """Turn expected errors into one line on stderr and exit code 2 (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except ECTransportError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(EXIT_ERROR)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper
-
-
-def _log_option(key: str) -> Any:
-    """A group-level ``[log]`` flag: unset unless typed (the file/environment may say)."""
-    leaf = LEAVES["log", key]
-    return option(leaf, default=None, show_default=False,
-                  help=f"{help_text(leaf)} [default: {leaf.default}, or [log] {key}].")
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="ectransport")
-@_log_option("level")
-@_log_option("format")
-@click.option("--config", "config_file", default=None, type=click.Path(path_type=Path),
-              help="TOML settings file for every subcommand (see `ectransport config show`); "
-                   "default $ECTRANSPORT_CONFIG.")
-@click.pass_context
-def cli(ctx: click.Context, config_file: Path | None, **flags: str | None) -> None:
-    """Move multimodal encoder-cache entries (vision/audio encoder outputs keyed by mm_hash)
-    peer to peer between LLM-serving instances: a ZeroMQ control plane authenticated with
-    CurveZMQ, and a data plane (NIXL by default).
-
-    Start with `ectransport demo`: it runs a producer and a consumer as two processes on this
-    machine and shows each fetched item verified bit for bit against a local recompute.
-    """
-    log_level, log_format = flags["setting__log__level"], flags["setting__log__format"]
-    ctx.obj = {"config": config_file, "log_level": log_level.upper() if log_level else None,
-               "log_format": log_format}
-    level, fmt = log_level, log_format
-    if level is None or fmt is None:  # the file/environment may say; a broken file is reported
-        try:                          # by the subcommand that reads the settings
-            from ectransport.config import load_settings
-
-            log = load_settings(config_file).settings.log
-            level, fmt = level or log.level, fmt or log.format
-        except ECTransportError:
-            pass
-    setup_logging(level or "WARNING", fmt or "text")
-
-
-def setup_logging(level: str, fmt: str) -> None:
-    from ectransport.metrics.logs import configure_logging
-
-    configure_logging(level, fmt)
+#: The modules whose commands :data:`cli` carries (each adds its own when imported).
+SUBCOMMAND_MODULES = (commands, admin, certs, bench, fleet)
 
 
 def main() -> None:
-    from ectransport.cli import bench, commands  # noqa: F401  (registers the subcommands)
-
+    """The ``ectransport`` console script."""
     cli(prog_name="ectransport")
 
 

@@ -154,8 +154,8 @@ def cli_settings(ctx: click.Context, config_file: Path | None = None) -> Any:
     Also re-applies the logging settings (the file named here may set ``[log]``).
     Returns a :class:`ectransport.config.Loaded`.
     """
-    from ectransport.cli.main import setup_logging
     from ectransport.config import load_settings
+    from ectransport.metrics.logs import configure_logging
 
     root = ctx.find_root().obj or {}
     if config_file is None:
@@ -167,5 +167,5 @@ def cli_settings(ctx: click.Context, config_file: Path | None = None) -> Any:
     loaded = load_settings(config_file, flags={k: v for k, (v, _) in typed.items()},
                            flag_names={k: f for k, (_, f) in typed.items()})
     log = loaded.settings.log
-    setup_logging(root.get("log_level") or log.level, root.get("log_format") or log.format)
+    configure_logging(root.get("log_level") or log.level, root.get("log_format") or log.format)
     return loaded

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,11 +71,13 @@ from ectransport.compat.wire_session import VllmWireSession, WireConsumerConfig
 from ectransport.errors import ConfigError
 from ectransport.node.common import Layout, Security, region_for
 from ectransport.node.consumer_driver import ConsumerDriver
-from ectransport.node.consumer_loop import ConsumerLoop
-from ectransport.node.driver import close_all
+from ectransport.node.driver import Parts, close_all
+from ectransport.node.inbox import Snapshot, StartFetch
+from ectransport.node.io_loop import IoLoop, result_or_miss
 from ectransport.node.producer import ProducerNode
 from ectransport.node.results import Fetched, ProducerAddress
-from ectransport.session import ConsumerConfig, Miss
+from ectransport.session import ConsumerConfig, Miss, MissReason
+from ectransport.settings_schema import NodeSettings, ProducerSettings
 from ectransport.store import BlockStore
 
 __all__ = [
@@ -144,10 +147,12 @@ class VllmWireProducerNode(ProducerNode):
         self.params = VllmWireParams(layout, vllm_version)
         self._one_grant_per_session = one_grant_per_session
         self._lease_s, self._budget_bytes = lease_s, budget_bytes
-        super().__init__(layout=layout, region_bytes=region_bytes, host=host, port=port,
-                         security=Security(insecure=True), planes=(), lease_s=lease_s,
-                         budget_bytes=budget_bytes,
-                         node_id=node_id or f"vllm-wire-{uuid.uuid4().hex[:8]}")
+        super().__init__(layout=layout, security=Security(insecure=True),
+                         settings=ProducerSettings(region_bytes=region_bytes, host=host,
+                                                   port=port, lease_s=lease_s,
+                                                   budget_bytes=budget_bytes),
+                         node=NodeSettings(planes=(), node_id=node_id or
+                                           f"vllm-wire-{uuid.uuid4().hex[:8]}"))
 
     def _make_control(self, host: str, port: int, security: Security, allow: Any,
                       options: dict[str, Any]) -> VllmRouter:
@@ -167,14 +172,15 @@ class VllmWireProducerNode(ProducerNode):
             budget_bytes=self._budget_bytes, one_grant_per_session=self._one_grant_per_session)
 
 
-class VllmWireConsumer(ConsumerLoop):
+class VllmWireConsumer:
     """Fetch entries from a stock vLLM producer (``ECCPUConnector`` producer session).
 
     ``fetch`` blocks until the entry landed or missed and ends by its deadline in a
     :class:`Fetched` (a copy: the landing blocks are free again at once) or a :class:`Miss`; it
     may be called from any thread, and :meth:`submit` pipelines. The producer address comes from
     vLLM's ``ec_transfer_params`` (``peer_host``/``peer_port``); ``nbytes`` is its ``size_bytes``
-    (whole rows of ``layout.block_bytes``). Same driver and I/O loop as :class:`ConsumerNode`.
+    (whole rows of ``layout.block_bytes``). The same driver and I/O loop as :class:`ConsumerNode`
+    drive the wire's own sans-I/O session.
 
     A READ that outlives its deadline cannot be aborted (NIXL has no abort): its landing blocks are
     kept (quarantined) and given back once NIXL reports the READ finished.
@@ -192,6 +198,7 @@ class VllmWireConsumer(ConsumerLoop):
         self.params = VllmWireParams(layout, vllm_version)
         self.connector_version = connector_version
         self.ack_timeout_s, self.read_timeout_s = ack_timeout_s, read_timeout_s
+        self.fetch_timeout_s = fetch_timeout_s
         self.region = region_for(layout, region_bytes, None)
         self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self.node_id = node_id or f"vllm-wire-consumer-{uuid.uuid4().hex[:8]}"
@@ -207,14 +214,12 @@ class VllmWireConsumer(ConsumerLoop):
                                   session_id=self.session_id, connector_version=connector_version,
                                   ack_timeout_s=ack_timeout_s, read_timeout_s=read_timeout_s)
         store = self.store
-        driver = ConsumerDriver(
-            control, {EXPORT_PLANE: reader}, self.region, store, layout,
+        self.driver = ConsumerDriver(
+            Parts(control, {EXPORT_PLANE: reader}, self.region, True), store, layout,
             ConsumerConfig(node_id=self.node_id, compat_hash=self.params.compat_hash,
-                           planes=(EXPORT_PLANE,), ack_timeout_s=ack_timeout_s,
-                           read_timeout_s=read_timeout_s),
-            own_region=True, zero_copy=False,
-            new_session=lambda conn, now: VllmWireSession(wire, conn, store, now))
-        super().__init__(driver, name=self.node_id, fetch_timeout_s=fetch_timeout_s)
+                           planes=(EXPORT_PLANE,)),
+            zero_copy=False, new_session=lambda conn, now: VllmWireSession(wire, conn, store, now))
+        self.loop = IoLoop(self.driver, name=self.node_id)
         log.warning("vLLM wire profile consumer: PLAIN ZMQ (no producer authentication)")
 
     @staticmethod
@@ -223,19 +228,33 @@ class VllmWireConsumer(ConsumerLoop):
             return producer
         return ProducerAddress(producer[0], int(producer[1]))
 
+    def submit(self, producer: ProducerAddress | tuple[str, int], mm_hash: str, nbytes: int, *,
+               timeout_s: float | None = None) -> Future[Any]:
+        """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss`."""
+        t = timeout_s if timeout_s is not None else self.fetch_timeout_s
+        item = StartFetch(self._address(producer), mm_hash, self.driver.clock() + t, Future(),
+                          nbytes=nbytes)
+        self.loop.submit(item)
+        return item.future
+
     def fetch(self, producer: ProducerAddress | tuple[str, int], mm_hash: str, nbytes: int, *,
               timeout_s: float = 30.0) -> Fetched | Miss:
         """Fetch ``mm_hash`` (``nbytes`` bytes: whole rows) from a vLLM producer."""
-        return self._fetch(self._address(producer), mm_hash, timeout_s, nbytes=nbytes)
-
-    def submit(self, producer: ProducerAddress | tuple[str, int], mm_hash: str, nbytes: int, *,
-               timeout_s: float | None = None) -> Any:
-        """Start a fetch; the Future resolves to :class:`Fetched` or :class:`Miss`."""
-        return self._submit(self._address(producer), mm_hash, timeout_s, nbytes=nbytes)
+        fut = self.submit(producer, mm_hash, nbytes, timeout_s=timeout_s)
+        out: Fetched | Miss = result_or_miss(self.loop, fut, self.driver.clock() + timeout_s, Miss(
+            mm_hash, MissReason.TIMEOUT, "no outcome from the consumer's I/O thread"))
+        return out
 
     def stats(self) -> dict[str, int]:
         """As :meth:`ConsumerNode.stats` (``quarantined_transfers``: READs past their deadline)."""
-        return self._stats()
+        if self.loop.on_loop or self.loop.stopped:
+            return self.driver.gauges()
+        item = Snapshot(Future())
+        self.loop.submit(item)
+        return item.future.result(timeout=5.0)
+
+    def close(self) -> None:
+        self.loop.close()
 
     def __enter__(self) -> VllmWireConsumer:
         return self

@@ -2,7 +2,7 @@
 
     from ectransport.config import load_settings
     loaded = load_settings("ectransport.toml")          # file < ECTRANSPORT_… env < flags
-    node = ProducerNode(layout=..., security=..., **loaded.settings.producer_node_kwargs())
+    node = ProducerNode.from_settings(loaded.settings, layout=..., security=...)
 
 The schema (every field, its default, unit and meaning, and each front end's deliberate
 differences) is :mod:`ectransport.settings_schema`. See ``docs/configuration.md`` and

@@ -89,6 +89,10 @@ class ZmqControlServer(ControlServer):
             omitted and checked when given.
         allow: admitted client keys. ``None`` is only accepted on a loopback bind, where any client
             holding the producer's public key is admitted (logged as a warning).
+        admit_any_key: the ZAP handler admits every CURVE client key, on any bind: admission
+            is decided after the handshake, by the certificate in the client's ``Hello``
+            (``ectransport.trust``, admission ``certificate`` / ``either``). The client is still
+            authenticated: ``PeerId.user`` is its key. Not with ``allow`` or ``insecure``.
         insecure: plain ZMTP (NULL mechanism), no encryption or authentication; loud warning.
         heartbeat_ivl_s, heartbeat_timeout_s: ZMTP heartbeats; a silent consumer is dropped after
             ``heartbeat_timeout_s`` and reported as ``Down``.
@@ -117,6 +121,7 @@ class ZmqControlServer(ControlServer):
         secret_key: str | None = None,
         public_key: str | None = None,
         allow: AllowList | None = None,
+        admit_any_key: bool = False,
         insecure: bool = False,
         heartbeat_ivl_s: float = _D.heartbeat_ivl_s,
         heartbeat_timeout_s: float = _D.heartbeat_timeout_s,
@@ -148,6 +153,12 @@ class ZmqControlServer(ControlServer):
         self._closed = True  # until fully constructed
         self._policy: _ZapPolicy | None = None
 
+        if admit_any_key and (allow is not None or insecure):
+            raise ConfigError(
+                "admit_any_key=True (admission by certificate) cannot be combined with "
+                f"{'an allow-list' if allow is not None else 'insecure=True'}: the ZAP handler "
+                "either admits every CURVE key or checks an allow-list"
+            )
         if insecure:
             if allow is not None:
                 raise ConfigError(
@@ -164,7 +175,7 @@ class ZmqControlServer(ControlServer):
             secret = None
         else:
             self.public_key, secret = keypair(secret_key, public_key, "producer")
-            if allow is None and not loopback:
+            if allow is None and not admit_any_key and not loopback:
                 raise ConfigError(
                     f"binding non-loopback address {host!r} needs a client allow-list "
                     "(allow=AllowList(dir)); without one anyone holding the producer's public key "
@@ -184,6 +195,12 @@ class ZmqControlServer(ControlServer):
                 if allow is not None:
                     self._policy = _ZapPolicy(allow)
                     self._auth.configure_curve_callback("*", self._policy)
+                elif admit_any_key:
+                    log.info(
+                        "control server on %s admits every CURVE key at the handshake; "
+                        "peers are admitted by the certificate in their Hello", host
+                    )
+                    self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
                 else:
                     log.warning(
                         "no client allow-list on loopback %s: any local client holding the "

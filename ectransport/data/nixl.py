@@ -133,7 +133,7 @@ class NixlPlane(NixlExposure, NixlRemoteAgents, DataTransport):
     """
 
     name = "nixl"
-    plugin_api_version = PLUGIN_API_VERSION
+    plugin_api_version = PLUGIN_API_VERSION  # 3: both halves (a DataTransport)
     capabilities = LazyCapabilities()
 
     def __init__(self, *, node_id: str, region: RegionLike, identity: str = "", **options: Any):

@@ -131,7 +131,7 @@ class TcpPlane(HostEndpointPlane, SocketServingPlane[TcpGrant, _Route, Channel])
     """
 
     name = "tcp"
-    plugin_api_version = PLUGIN_API_VERSION
+    plugin_api_version = PLUGIN_API_VERSION  # 3: both halves (a DataTransport)
     endpoint_type = TcpEndpoint
     endpoint_decoder = endpoint_decoder
     capabilities = Capabilities(

@@ -149,7 +149,7 @@ class UcxPlane(HostEndpointPlane, UcxService, DataTransport):
     """
 
     name = "ucx"
-    plugin_api_version = PLUGIN_API_VERSION
+    plugin_api_version = PLUGIN_API_VERSION  # 3: both halves (a DataTransport)
     endpoint_type = UcxEndpoint
     endpoint_decoder = _endpoint_decoder
     capabilities = Capabilities(

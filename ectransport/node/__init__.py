@@ -1,6 +1,7 @@
 """Runtime layer and public Python API: ProducerNode / ConsumerNode drive the sans-I/O sessions
-with a control plane (ZeroMQ + CURVE by default) and a data plane, through one driver each
-(:class:`ProducerDriver` / :class:`ConsumerDriver`, whose ``step(now)`` a caller may run itself).
+with a control plane (ZeroMQ + CURVE by default) and data planes. Each node *has* a driver
+(:class:`ProducerDriver` / :class:`ConsumerDriver`: no thread of its own, one ``step(now)`` per
+round) and the thread that runs it.
 
 Importing this package is cheap; zmq/nixl are imported when a node is constructed.
 """

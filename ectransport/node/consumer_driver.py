@@ -1,31 +1,30 @@
 """ConsumerDriver: the consumer's sessions driven over a control client and data planes.
 
-    driver = ConsumerDriver(control, planes, region, store, layout, config, own_region=True)
+    driver = ConsumerDriver(parts, store, layout, config)
     driver.post(StartFetch(producer, mm_hash, deadline, future))   # any thread
-    with driver.lock:
-        driver.step()                    # the thread that holds the lock drives: one round
+    driver.step()                        # the owning thread: one bounded round
 
 One session per producer connection (a :class:`FetchSession`: ECTP's ConsumerSession unless
-``new_session`` makes another kind). A step polls the control client, takes the typed inbox,
-matches every control event to its session, polls in-flight transfers on their plane, runs the
-sessions' timers, and executes the commands they return in one place (:meth:`execute`, in
-:mod:`ectransport.node.consumer_executor`); outcomes resolve the callers' futures. The driver owns
-no thread: :class:`ConsumerNode` runs it on its I/O thread or on a caller's, and the vLLM
-scheduler may call :meth:`step` from its own loop.
+``new_session`` makes another kind). A step polls the control client, feeds its events to their
+sessions, takes the typed inbox, checks the transfers in flight, runs the sessions' timers; every
+command a session returns is performed by the :class:`~ectransport.node.executor.Executor` and
+what the planes answer is fed back in the same loop (:meth:`ConsumerDriver._run`), never by a
+nested call. Outcomes resolve the callers' futures (:class:`~ectransport.node.outcomes.Outcomes`).
 
-Only the thread holding :attr:`lock` may call :meth:`step` and the other non-thread-safe methods;
-:meth:`post` and :meth:`release_later` may be called from anywhere.
+Ownership: the driver owns no thread, and exactly one thread at a time may call :meth:`step`,
+:meth:`shutdown` and the queries (a :class:`~ectransport.node.ConsumerNode`: its I/O thread).
+:meth:`post` and :meth:`release_later` may be called from any thread.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 from ectransport.control.base import AuthFailed, ControlClient, Down, Received, Up
-from ectransport.data.base import DataTransport
 from ectransport.errors import (
     AuthError,
     ECTransportError,
@@ -34,8 +33,8 @@ from ectransport.errors import (
     VersionError,
 )
 from ectransport.node.common import Layout
-from ectransport.node.consumer_executor import ConsumerExecutor
-from ectransport.node.driver import Observers
+from ectransport.node.driver import Observers, Parts
+from ectransport.node.executor import Executor, Feedback, feed
 from ectransport.node.fetch_session import BatchFetch, FetchSession, SizedFetch
 from ectransport.node.inbox import (
     Connect,
@@ -46,16 +45,19 @@ from ectransport.node.inbox import (
     StartBatch,
     StartFetch,
 )
+from ectransport.node.outcomes import Outcomes
 from ectransport.node.results import ProducerAddress
 from ectransport.protocol import FrameError, Status, Ticket, Welcome, decode
 from ectransport.session import (
+    Command,
     ConsumerConfig,
     ConsumerSession,
     FetchState,
+    Landed,
     Miss,
     MissReason,
 )
-from ectransport.store import BlockRegion, BlockStore
+from ectransport.store import BlockStore
 
 log = logging.getLogger("ectransport.node.consumer")
 
@@ -63,76 +65,74 @@ log = logging.getLogger("ectransport.node.consumer")
 MAX_WAIT_S = 0.1
 
 
-class ConsumerDriver(ConsumerExecutor):
-    """Drives the consumer's fetch sessions (see module docstring).
+class ConsumerDriver:
+    """Drives the consumer's fetch sessions (module docstring).
 
     Args:
-        control / planes / region / own_region / observers: see :class:`Driver`.
-        store: the landing region's block store.
-        layout: what fetched bytes mean (for :class:`Fetched`).
+        parts: the control client, planes and landing region it drives and closes.
+        store: the landing region's block store. layout: what fetched bytes mean.
         config: ECTP session settings (used by the default ``new_session``).
-        require_binding: see :class:`ConsumerNode`.
-        new_session: ``(conn, now) -> FetchSession``; default ECTP's :class:`ConsumerSession`.
+        observers: told what happens (see :class:`~ectransport.node.ConsumerNode`).
+        require_binding: see :class:`~ectransport.node.ConsumerNode`.
+        new_session: ``(conn, now) -> FetchSession``; default ECTP's ConsumerSession.
         zero_copy: hand out landed bytes in place (pinned until the result is collected);
             False copies them out and frees the landing blocks at once.
         clock: the monotonic clock (the validity window's: see ConsumerSession).
     """
 
-    def __init__(self, control: ControlClient, planes: dict[str, DataTransport],
-                 region: BlockRegion, store: BlockStore, layout: Layout, config: ConsumerConfig,
-                 *, own_region: bool, observers: Observers | None = None,
+    def __init__(self, parts: Parts[ControlClient], store: BlockStore, layout: Layout,
+                 config: ConsumerConfig, *, observers: Observers | None = None,
                  require_binding: bool = True,
                  new_session: Callable[[str, float], FetchSession] | None = None,
                  zero_copy: bool = True, clock: Callable[[], float] = time.monotonic):
-        super().__init__(control, planes, region, own_region=own_region, observers=observers)
+        self.parts = parts
+        self.control = parts.control
+        self.planes = parts.planes
         self.store = store
-        self.layout = layout
         self.config = config
-        self.require_binding = require_binding
-        self.zero_copy = zero_copy
         self.clock = clock
-        self._new_session = new_session or self._ectp_session
-        self.inbox: collections.deque[InboxItem] = collections.deque()
+        self.observers = observers if observers is not None else Observers()
         self.sessions: dict[str, FetchSession] = {}
+        self.inbox: collections.deque[InboxItem] = collections.deque()
+        self._new_session = new_session or self._ectp_session
         self._producers: dict[str, ProducerAddress] = {}  # conn -> where it was dialed
-        self._waiters: dict[tuple[str, str], list[StartFetch]] = {}
-        self._started: dict[tuple[str, str], float] = {}  # (conn, mm_hash) -> fetch start
         self._connecting: dict[str, list[Connect]] = {}
         self._refused: dict[str, type[ECTransportError]] = {}  # conn -> typed session error
-        #: set (lock held) once the driver shut down: nobody drives it any more
-        self.closed = False
+        self.outcomes = Outcomes(store, parts.region, layout, self.observers,
+                                 zero_copy=zero_copy, clock=clock,
+                                 release_later=self.release_later)
+        self.executor = Executor(parts.control, parts.planes, parts.region, self._producers,
+                                 self._report, require_binding=require_binding, clock=clock)
+        self._gate = threading.Lock()  # post() vs shutdown(): nothing is queued after the drain
+        self.closed = False  #: set (under the gate) once shut down
 
     def _ectp_session(self, conn: str, now: float) -> FetchSession:
         return ConsumerSession(self.config, conn, self.store, now, observer=self.observers)
 
     # -- any thread ----------------------------------------------------------------------------
     def post(self, item: InboxItem) -> None:
-        """Queue a command for whoever drives next (atomic; wakes nobody: see ConsumerNode)."""
-        self.inbox.append(item)
+        """Queue a command for the next :meth:`step` (wakes nobody). After :meth:`shutdown` the
+        item fails at once (a miss, or the ``consumer closed`` error)."""
+        with self._gate:
+            if not self.closed:
+                self.inbox.append(item)
+                return
+        self._fail(item)
 
     def release_later(self, local_key: str, entry_id: int) -> None:
-        """Finalizer of a zero-copy Fetched's buffer (any thread): return its blocks now if no
-        thread is driving (no wake-up), else through the inbox. Never blocks and never wakes
-        anyone: a finalizer can run inside the locks a wake-up takes (garbage collection at any
-        point), which would deadlock."""
-        if self.closed:
-            return
-        if self.lock.acquire(blocking=False):
-            try:
-                self._release(local_key, entry_id)
-            finally:
-                self.lock.release()
-            return
-        self.inbox.append(ReleaseFetched(local_key, entry_id))  # the driver's next step
+        """Finalizer of a zero-copy result (any thread, possibly inside a garbage collection):
+        queue its release for the next step; never blocks, never wakes anyone (a finalizer may
+        run inside the locks a wake-up takes)."""
+        self.inbox.append(ReleaseFetched(local_key, entry_id))
 
-    # -- queries (lock held) -------------------------------------------------------------------
+    # -- queries (the owning thread) -----------------------------------------------------------
     def busy(self) -> bool:
-        """A data-plane transfer is in flight (its state is polled every step)."""
+        """A data-plane transfer is in flight (its state is checked every step)."""
         return any(s.reading() for s in self.sessions.values())
 
     def idle(self) -> bool:
-        """Nothing queued, connecting or in flight (a thread driving this may park)."""
-        return not (self.inbox or self._connecting or self._waiters
+        """Nothing queued, connecting or in flight."""
+        return not (self.inbox or self._connecting or self.outcomes
                     or any(s.in_flight() for s in self.sessions.values()))
 
     def idle_timeout(self) -> float:
@@ -145,7 +145,7 @@ class ConsumerDriver(ConsumerExecutor):
 
     def gauges(self) -> dict[str, int]:
         """``producers``, ``in_flight``, ``quarantined_peers``, ``quarantined_transfers``,
-        ``free_blocks``, ``offer_reads``, ``offers_held`` (see :meth:`ConsumerNode.stats`), consistent: lock held."""
+        ``free_blocks``, ``offer_reads``, ``offers_held`` (see ConsumerNode.stats)."""
         now = self.clock()
         sessions = list(self.sessions.values())
         states = [st for s in sessions for st in s.fetch_states().values()]
@@ -157,14 +157,13 @@ class ConsumerDriver(ConsumerExecutor):
                 "offer_reads": sum(getattr(s, "offer_reads", 0) for s in sessions),
                 "offers_held": sum(getattr(s, "offers_held", 0) for s in sessions)}
 
-    # -- driving (lock held) -------------------------------------------------------------------
+    # -- driving (the owning thread) -----------------------------------------------------------
     def step(self, now: float | None = None, *, wait_s: float | None = 0.0) -> None:
-        """One round: poll the control client (``wait_s`` seconds; None: until the next session
-        deadline, or not at all while a transfer is in flight), then the control events, the
-        inbox, the in-flight transfers and the session timers. ``now`` defaults to the clock
-        after the poll (pass it only with ``wait_s=0``). Events come before the inbox: an
-        ``Offer`` received while the node was idle must be known when a fetch with its ticket
-        starts (ECTP v2 §10)."""
+        """One round: poll the control client (``wait_s`` seconds; None: until the next
+        deadline, or not at all while a transfer is in flight), then its events (first: an
+        ``Offer`` received meanwhile must be known when a fetch with its ticket starts), the
+        inbox, the transfers in flight and the session timers. ``now`` defaults to the clock
+        after the poll (pass it only with ``wait_s=0``)."""
         if wait_s is None:
             wait_s = 0.0 if self.busy() else self.idle_timeout()
         events = self.control.poll(wait_s)
@@ -179,67 +178,76 @@ class ConsumerDriver(ConsumerExecutor):
             if plane is not None:
                 for key, handle in s.reading():
                     state = plane.check(handle).value
-                    t = self.clock()  # observed after the check: the validity window's clock
-                    why = plane.error_detail(handle) if state == "err" else ""
-                    self.execute(s, s.on_read_state(key, state, t, why), t)
-            self.execute(s, s.poll(now), now)
+                    if state != "proc":
+                        t = self.clock()  # observed after the check: the validity window's
+                        why = plane.error_detail(handle) if state == "err" else ""
+                        self._run(s, s.on_read_state(key, state, t, why), t)
+            self._run(s, s.poll(now), now)
             if s.conn in self._connecting:
                 self._check_connecting(s, now)
             if s.failed is not None and not s.in_flight():
                 self._drop(s)
 
-    def start_fetch(self, item: StartFetch, now: float) -> None:
-        """Start (or join) a fetch now instead of through the inbox (a caller driving its own)."""
+    def _run(self, s: FetchSession, cmds: list[Command], now: float) -> None:
+        """Perform ``cmds`` and everything that follows from them: each plane answer is fed to
+        the session and the commands it returns are performed in turn, until none is left; then
+        the sends leave."""
+        work: collections.deque[Feedback] = collections.deque()
         try:
-            self._start(item, now)
-        except Exception as e:  # as a step would: log, and this fetch ends as a miss
-            log.exception("unexpected error starting a fetch (continuing)")
-            self._resolve(item.producer.key, Miss(item.mm_hash, MissReason.INTERNAL,
-                                                  f"{type(e).__name__}: {e}"))
+            work.extend(self.executor.perform(s, cmds, now))
+            while work:
+                work.extend(self.executor.perform(s, feed(s, work.popleft(), now), now))
+        except BaseException:
+            self.executor.release(s, list(work))  # handles never handed over are not leaked
+            raise
+        finally:
+            self.executor.flush()
+
+    def _report(self, s: FetchSession, outcome: Landed | Miss, now: float) -> None:
+        self.outcomes.report(s.conn, s.session_id, outcome, now)
 
     def shutdown(self) -> None:
         """Close every session (in-flight fetches miss, handles are released), fail what is
-        queued; afterwards :attr:`closed` is set and nothing drives the driver any more."""
+        queued; nothing is queued afterwards (:meth:`post` fails it at once)."""
         now = self.clock()
         for s in list(self.sessions.values()):
-            self.execute(s, s.close(), now)
-        self.closed = True  # before the drain: see ConsumerNode._enqueue
-        self.fail_inbox()
+            self._run(s, s.close(), now)
+        with self._gate:
+            self.closed = True
+        while self.inbox:
+            self._fail(self.inbox.popleft())
         for waiters in self._connecting.values():
             for c in waiters:
                 if not c.future.done():
                     c.future.set_exception(ECTransportError("consumer closed"))
 
-    def fail_inbox(self) -> None:
-        """After shutdown: every queued fetch misses, every connect fails."""
-        while self.inbox:
-            match self.inbox.popleft():
-                case StartFetch(mm_hash=mm, future=fut) if not fut.done():
-                    fut.set_result(Miss(mm, MissReason.INTERNAL, "consumer closed"))
-                case StartBatch(items=items):
-                    for it in items:
-                        if not it.future.done():
-                            it.future.set_result(Miss(it.mm_hash, MissReason.INTERNAL,
-                                                      "consumer closed"))
-                case Connect(future=cfut) if not cfut.done():
-                    cfut.set_exception(ECTransportError("consumer closed"))
-                case Snapshot(future=sfut) if not sfut.done():
-                    sfut.set_result(self.gauges())
-                case _:
-                    pass
+    def _fail(self, item: InboxItem) -> None:
+        """A command that will never be taken: its fetches miss, its connect fails."""
+        closed = "consumer closed"
+        match item:
+            case StartFetch(mm_hash=mm, future=fut) if not fut.done():
+                fut.set_result(Miss(mm, MissReason.INTERNAL, closed))
+            case StartBatch(items=items):
+                for it in items:
+                    if not it.future.done():
+                        it.future.set_result(Miss(it.mm_hash, MissReason.INTERNAL, closed))
+            case Connect(future=cfut) if not cfut.done():
+                cfut.set_exception(ECTransportError(closed))
+            case Snapshot(future=sfut) if not sfut.done():
+                sfut.set_exception(ECTransportError(closed))
 
     def _take(self, item: InboxItem, now: float) -> None:
         match item:  # one case per command type (node/inbox.py)
             case StartFetch():
-                self._start(item, now)
+                self._start(item.producer, [item], item.deadline, now)
             case StartBatch():
-                self._start_many(item, now)
+                self._start(item.producer, list(item.items), item.deadline, now)
             case Connect():
                 self._start_connect(item, now)
             case ReleaseFetched(local_key=key, entry_id=eid):
-                self._release(key, eid)
+                self.outcomes.release(key, eid)
             case ReleaseHeld(local_key=key, entry_id=eid):
-                self._release_held(key, eid)
+                self.outcomes.release_held(key, eid)
             case Snapshot(future=fut):
                 if not fut.done():
                     fut.set_result(self.gauges())
@@ -247,11 +255,10 @@ class ConsumerDriver(ConsumerExecutor):
     def _on_event(self, ev: Received[str] | Up | AuthFailed | Down[str], now: float) -> None:
         match ev:
             case Received(source=str() as conn, data=data):
-                s = self.sessions.get(conn)
-                if s is None:
+                if (s := self.sessions.get(conn)) is None:
                     return
                 was_welcomed, was_failed = s.welcomed, s.failed
-                self.execute(s, s.on_frame(data, now), now)
+                self._run(s, s.on_frame(data, now), now)
                 if s.failed is not None and was_failed is None:
                     self._classify_refusal(s, data)
                 if s.welcomed and not was_welcomed and s.plane in self.planes:
@@ -260,19 +267,19 @@ class ConsumerDriver(ConsumerExecutor):
                              self.planes[s.plane].describe_transport())
             case Up(conn=conn):
                 if (s := self.sessions.get(conn)) is not None:
-                    self.execute(s, s.on_up(now), now)
+                    self._run(s, s.on_up(now), now)
             case AuthFailed(conn=conn, reason=reason):
                 if (s := self.sessions.get(conn)) is not None:
                     log.info("authentication with producer %s failed: %s", conn, reason)
-                    self.execute(s, s.on_auth_failed(reason, now), now)
+                    self._run(s, s.on_auth_failed(reason, now), now)
             case Down(source=str() as conn):
                 if (s := self.sessions.get(conn)) is not None:
-                    self.execute(s, s.on_peer_down(now), now)
+                    self._run(s, s.on_peer_down(now), now)
 
     def _classify_refusal(self, s: FetchSession, frame: bytes) -> None:
-        """Name the typed error of a session that a frame just failed, from typed fields: a
-        Welcome refusing with NACK_INCOMPAT although its compatibility hash equals ours refuses
-        the data planes (ECTP §4: the hash is checked first), hence NoCommonPlane."""
+        """Name the typed error of a session a frame just failed, from typed fields: a Welcome
+        refusing with NACK_INCOMPAT although its compatibility hash equals ours refuses the data
+        planes (ECTP §4: the hash is checked first), hence NoCommonPlane."""
         try:
             msg = decode(frame, versions=self.config.versions)
         except FrameError:
@@ -282,79 +289,32 @@ class ConsumerDriver(ConsumerExecutor):
             self._refused[s.conn] = NoCommonPlane
 
     # -- fetches and connects ------------------------------------------------------------------
-    def _catch_up(self, now: float) -> None:
-        """Handle the control events already received (no wait): a fetch with a ticket started
-        by a caller between steps must see the offers that arrived while the node was idle."""
-        for ev in self.control.poll(0.0):
-            self._on_event(ev, now)
-
-    def _start(self, item: StartFetch, now: float) -> None:
-        if item.ticket is not None:
-            self._catch_up(now)
-        producer, mm_hash = item.producer, item.mm_hash
-        key = (producer.key, mm_hash)
-        waiters = self._waiters.setdefault(key, [])
-        waiters.append(item)
-        if len(waiters) > 1:  # the same fetch is already in flight: join it
-            return
-        self._started[key] = now
-        try:
-            s = self._session_for(producer, now)
-        except Exception as e:
-            miss = Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}")
-            self._observe_outcome(producer.key, "", miss, now)
-            self._resolve(producer.key, miss)
-            return
-        if item.nbytes is not None and isinstance(s, SizedFetch):
-            self.execute(s, s.fetch_sized(mm_hash, item.nbytes, now, item.deadline), now)
-        elif item.ticket is not None and isinstance(s, BatchFetch):
-            self.execute(s, s.fetch_many([mm_hash], now, item.deadline,
-                                         tickets={mm_hash: item.ticket}), now)
-        else:
-            self.execute(s, s.fetch(mm_hash, now, item.deadline), now)
-
-    def start_batch(self, item: StartBatch, now: float) -> None:
-        """Start (or join) several fetches now (a caller driving its own; see start_fetch)."""
-        try:
-            self._start_many(item, now)
-        except Exception as e:
-            log.exception("unexpected error starting fetches (continuing)")
-            for it in item.items:
-                self._resolve(item.producer.key, Miss(it.mm_hash, MissReason.INTERNAL,
-                                                      f"{type(e).__name__}: {e}"))
-
-    def _start_many(self, item: StartBatch, now: float) -> None:
-        """Join the fetches already in flight; start the others together: in one
+    def _start(self, producer: ProducerAddress, items: list[StartFetch], deadline: float,
+               now: float) -> None:
+        """Start (or join) fetches from ``producer``: the new ones together — in one
         :meth:`BatchFetch.fetch_many` (one ReqBatch on ECTP v2), else one by one."""
-        producer = item.producer
-        if any(it.ticket is not None for it in item.items):
-            self._catch_up(now)
-        new: list[str] = []
-        tickets: dict[str, Ticket] = {}
-        for it in item.items:
-            key = (producer.key, it.mm_hash)
-            waiters = self._waiters.setdefault(key, [])
-            waiters.append(it)
-            if len(waiters) == 1:
-                self._started[key] = now
-                new.append(it.mm_hash)
-                if it.ticket is not None:
-                    tickets[it.mm_hash] = it.ticket
+        if any(it.ticket is not None for it in items):
+            for ev in self.control.poll(0.0):  # offers that arrived since the step's poll
+                self._on_event(ev, now)
+        new = [it for it in items if self.outcomes.join(producer.key, it, now)]
         if not new:
             return
         try:
             s = self._session_for(producer, now)
         except Exception as e:
-            for mm_hash in new:
-                miss = Miss(mm_hash, MissReason.INTERNAL, f"cannot connect: {e}")
-                self._observe_outcome(producer.key, "", miss, now)
-                self._resolve(producer.key, miss)
+            for it in new:
+                self.outcomes.miss(producer.key, it.mm_hash, Miss(
+                    it.mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"), now)
             return
-        if isinstance(s, BatchFetch):
-            self.execute(s, s.fetch_many(new, now, item.deadline, tickets=tickets or None), now)
+        tickets: dict[str, Ticket] = {it.mm_hash: it.ticket for it in new if it.ticket}
+        if len(new) == 1 and new[0].nbytes is not None and isinstance(s, SizedFetch):
+            self._run(s, s.fetch_sized(new[0].mm_hash, new[0].nbytes, now, deadline), now)
+        elif isinstance(s, BatchFetch):
+            self._run(s, s.fetch_many([it.mm_hash for it in new], now, deadline,
+                                      tickets=tickets or None), now)
         else:
-            for mm_hash in new:
-                self.execute(s, s.fetch(mm_hash, now, item.deadline), now)
+            for it in new:
+                self._run(s, s.fetch(it.mm_hash, now, deadline), now)
 
     def _session_for(self, producer: ProducerAddress, now: float) -> FetchSession:
         s = self.sessions.get(producer.key)
@@ -372,7 +332,7 @@ class ConsumerDriver(ConsumerExecutor):
             item.future.set_exception(e)
             return
         if s.blocked_until and not s.welcomed and s.in_flight() == 0 and now >= s.blocked_until:
-            self.execute(s, s.fetch_probe(now), now)
+            self._run(s, s.fetch_probe(now), now)
         self._connecting.setdefault(s.conn, []).append(item)
         self._check_connecting(s, now)
 
@@ -399,8 +359,8 @@ class ConsumerDriver(ConsumerExecutor):
             self._connecting.pop(s.conn, None)
 
     def session_error(self, conn: str, miss: Miss) -> ECTransportError:
-        """The typed exception for a session-wide failure (see :meth:`ConsumerNode.connect`):
-        from what the control plane or the refusing Welcome said, else from the miss reason."""
+        """The typed exception for a session-wide failure (see ConsumerNode.connect): from what
+        the control plane or the refusing Welcome said, else from the miss reason."""
         typed = self._refused.get(conn)
         if typed is None:
             typed = {MissReason.AUTH: AuthError,

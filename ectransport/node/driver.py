@@ -1,19 +1,18 @@
-"""What both drivers share: the control connection and data planes they were given, the observer
-list, and closing everything in the right order.
+"""What both drivers share: the parts they are given (:class:`Parts`: control connection, data
+planes, region), the observer list, and closing everything in the right order.
 
 A driver is the sans-thread core of a node (STYLE.md §7: control and planes are passed in, never
-built inside): it owns no thread, and its ``step(now)`` does one bounded round of work, so a node's
-I/O thread, a caller running its own fetch, or the vLLM scheduler's step loop can drive it alike.
-:class:`~ectransport.node.ProducerNode` and :class:`~ectransport.node.ConsumerNode` are thin
-thread wrappers around :class:`ProducerDriver` / :class:`ConsumerDriver`; they build the default
-control plane (ZeroMQ + CURVE) and planes (:func:`load_planes`) from their settings.
+built inside): it owns no thread, and its ``step(now)`` does one bounded round of work. A node
+*has* a driver and runs it on one I/O thread; tests step a driver themselves with a clock of
+their own. The nodes build the default control plane (ZeroMQ + CURVE) and the planes
+(:func:`load_planes`) from their settings.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ectransport.control.base import ControlClient, ControlServer
@@ -80,34 +79,22 @@ class Observers:
                 log.exception("observer failed on %s (ignored)", event)
 
 
-class Driver(Generic[C]):
-    """The base of both drivers: what they were given and how it is closed.
-
-    Args:
-        control: the control connection (client or server); the driver closes it.
-        planes: data planes by name, best first; the driver closes them.
-        region: the node's region; closed by :meth:`close_resources` only if ``own_region``.
-        observers: told what happens (see the nodes' ``observer`` argument).
+@dataclass
+class Parts(Generic[C]):
+    """What a driver is given and closes: the control connection (client or server), the data
+    planes by name (best first) and the region (closed only if ``own_region``: the node made it).
     """
 
-    def __init__(self, control: C, planes: dict[str, DataTransport], region: BlockRegion, *,
-                 own_region: bool, observers: Observers | None = None):
-        self.control: C = control
-        self.planes = planes
-        self.region = region
-        self.own_region = own_region
-        self.observers = observers if observers is not None else Observers()
-        #: Whoever runs :meth:`step` holds it: sessions, the control connection and the planes are
-        #: used by one thread at a time (it is also the memory barrier ZeroMQ asks for when a
-        #: socket changes threads).
-        self.lock = threading.Lock()
+    control: C
+    planes: dict[str, DataTransport]
+    region: BlockRegion
+    own_region: bool
 
     def plane_transports(self) -> dict[str, str]:
         """Plane name → what it runs on underneath (e.g. the UCX transports)."""
         return {n: p.describe_transport() for n, p in self.planes.items()}
 
-    def close_resources(self) -> None:
-        """Close the control connection, the planes, and the region if the node made it."""
+    def close(self) -> None:
         close_all(self.control, self.planes, self.region if self.own_region else None)
 
 

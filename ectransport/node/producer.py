@@ -26,11 +26,19 @@ from ectransport.data.base import DataTransport, TransferModel
 from ectransport.data.registry import load_plane
 from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
-from ectransport.node.driver import Observers, close_all, load_planes
-from ectransport.node.producer_driver import ProducerDriver, ServingSession
+from ectransport.node.driver import Observers, Parts, close_all, load_planes
+from ectransport.node.producer_driver import AnnouncingSession, ProducerDriver, ServingSession
 from ectransport.protocol import Ticket
-from ectransport.session import ProducerConfig, ProducerSession
-from ectransport.settings_schema import API
+from ectransport.session import PlaneFacts, ProducerConfig, ProducerSession
+from ectransport.settings_schema import (
+    API,
+    ControlServerSettings,
+    NodeSettings,
+    PlanesSettings,
+    ProducerSettings,
+    Settings,
+    checked,
+)
 from ectransport.store import AllocFailed, BlockRegion, BlockStore, Entry
 
 log = logging.getLogger("ectransport.node.producer")
@@ -38,6 +46,17 @@ log = logging.getLogger("ectransport.node.producer")
 #: How long the I/O thread waits for control events per step, seconds.
 _POLL_S = 0.02
 _WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
+
+
+def plane_facts(planes: Mapping[str, DataTransport]) -> dict[str, PlaneFacts]:
+    """What a producer session needs of each plane, read once from its declared capabilities
+    (never from its name): a PUSH plane serves every transfer itself, so its grants are
+    revocable; a READ plane is read one-sidedly, so its grants can be offered."""
+    return {name: PlaneFacts(
+        describe=p.describe, reachable=p.reachable, endpoint=p.endpoint(),
+        revocable=p.capabilities.transfer_model is TransferModel.PUSH,
+        offerable=p.capabilities.transfer_model is TransferModel.READ,
+        max_bytes=p.capabilities.max_transfer_bytes) for name, p in planes.items()}
 
 
 def _hosted_plane_options(name: str, address_options: frozenset[str], opts: dict[str, Any],
@@ -72,80 +91,56 @@ class ProducerNode:
 
     Args:
         layout: tensor layout (hidden, dtype, model id) → block size and compatibility hash.
-        region_bytes: host region size in bytes (rounded down to whole blocks; at least 1 block).
-        host / port: control-plane bind address; port 0 picks a free port (see :attr:`port`).
         security: CURVE keys and allow-list; ``Security(insecure=True)`` for plain ZMQ.
-        planes: data planes offered, best first.
-        lease_s / budget_bytes / grace_s / max_wait_s / inline_max_bytes: see
-            :class:`ProducerConfig` (the last two apply to ECTP v2 sessions: how long a batched
-            request for a reserved entry waits for :meth:`commit`, and up to which size an entry
-            travels inline in the answer).
-        hold_s / hold_share: how long an announced entry is held and offered, and the share of
-            the region holds may pin (ECTP v2 §10; :meth:`announce`).
-        node_id: a name for logs and the NIXL agent; default ``"producer-<random>"``.
-        versions: ECTP versions spoken (override only to emulate older/newer nodes).
+        settings: the producer settings: control-plane ``host``/``port`` (0: a free port, see
+            :attr:`port`) and ``advertise_host`` (required with a wildcard ``host`` when the
+            ``tcp`` or ``ucx`` plane is offered: their grants name it), ``region_bytes``, the
+            grants' ``lease_s``/``budget_bytes``/``grace_s``, ECTP v2's ``max_wait_s`` and
+            ``inline_max_bytes``, the holds' ``hold_s``/``hold_share`` (:meth:`announce`).
+        node: the planes offered (best first), the node id (default ``"producer-<random>"``),
+            the ECTP versions spoken.
+        plane_settings: the planes' constructor options (``tcp`` and ``ucx`` serve on ``host``).
+        control_settings: the ZeroMQ server's (heartbeats, frame and rate limits, handshakes).
+        control: serve over this control server instead of the ZeroMQ/CURVE one (e.g.
+            :mod:`ectransport.control.memory`'s in-memory pair in tests); the node closes it.
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
-            other processes write into); its ``block_bytes`` must be ``layout.block_bytes``,
-            ``region_bytes`` is then ignored, and :meth:`close` leaves it to its owner.
-        plane_options: plane name → keyword options for that plane's constructor (``tcp`` and
-            ``ucx`` serve on ``host``).
-        advertise_host: the address consumers reach this host at; required with a wildcard
-            ``host`` when the ``tcp`` or ``ucx`` plane is offered (their grants name it).
-        control_options: keyword options for :class:`ZmqControlServer` (heartbeats, frame and
-            rate limits, ``handshake_timeout_s``).
-        control: serve over this control server instead of building the ZeroMQ/CURVE one from
-            ``host``/``port``/``security`` (e.g. ``ectransport.control.memory``'s in-memory pair
-            in tests about node logic); the node closes it.
-        observer: optional ``(event, fields) -> None`` told what happens, for metrics and logs
-            (see :class:`ProducerSession`: ``grant_issued``, ``grant_ended``, ``nack_sent``,
-            ``lease_expired``). Called on the node's I/O thread under its lock: keep it cheap;
-            an observer that raises is logged and ignored. More with :meth:`add_observer`.
+            other processes write into); its ``block_bytes`` must be ``layout.block_bytes``;
+            :meth:`close` leaves it to its owner.
+        observer: ``(event, fields) -> None`` told what happens (:class:`ProducerSession`'s
+            events), on the node's thread under its lock: keep it cheap; one that raises is
+            logged and ignored. More with :meth:`add_observer`.
+        plane_loader: plane name → plane class (default: the entry-point registry).
 
     Raises:
         ConfigError: bad settings, port in use, missing keys.
         PlaneUnavailable: a requested plane cannot run here.
     """
 
-    def __init__(
-        self,
-        *,
-        layout: Layout = Layout(),
-        region_bytes: int = API.producer.region_bytes,
-        host: str = API.producer.host,
-        port: int = API.producer.port,
-        security: Security,
-        planes: tuple[str, ...] = API.node.planes,
-        lease_s: float = API.producer.lease_s,
-        budget_bytes: int | None = API.producer.budget_bytes,
-        grace_s: float = API.producer.grace_s,
-        max_wait_s: float = API.producer.max_wait_s,
-        hold_s: float = API.producer.hold_s,
-        hold_share: float = API.producer.hold_share,
-        inline_max_bytes: int = API.producer.inline_max_bytes,
-        node_id: str | None = API.node.node_id,
-        versions: tuple[int, ...] = API.node.versions,
-        region: BlockRegion | None = None,
-        plane_options: Mapping[str, Mapping[str, Any]] | None = None,
-        control_options: Mapping[str, Any] | None = None,
-        advertise_host: str | None = API.producer.advertise_host,
-        observer: Callable[[str, dict[str, Any]], None] | None = None,
-        control: ControlServer | None = None,
-    ):
+    def __init__(self, *, layout: Layout = Layout(), security: Security,
+                 settings: ProducerSettings = API.producer, node: NodeSettings = API.node,
+                 plane_settings: PlanesSettings = API.planes,
+                 control_settings: ControlServerSettings = API.control.server,
+                 control: ControlServer | None = None, region: BlockRegion | None = None,
+                 observer: Callable[[str, dict[str, Any]], None] | None = None,
+                 plane_loader: Callable[[str], type[DataTransport]] = load_plane):
+        settings = checked(settings)
+        self.settings = settings
         self._observers = Observers(observer)
         self.layout = layout
-        self.node_id = node_id or f"producer-{uuid.uuid4().hex[:8]}"
+        self.node_id = node.node_id or f"producer-{uuid.uuid4().hex[:8]}"
         own_region = region is None
-        self.region = region_for(layout, region_bytes, region)
+        self.region = region_for(layout, settings.region_bytes, region)
         self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
         self._planes: dict[str, DataTransport] = {}
         self._allow = None
         built: ControlServer | None = None
+        host, advertise = settings.host, settings.advertise_host
         try:
             self._planes = load_planes(
-                tuple(planes), node_id=self.node_id, region=self.region,
-                public_key=security.public_key, plane_options=plane_options, loader=load_plane,
-                adjust=lambda name, cls, opts: _hosted_plane_options(
-                    name, cls.capabilities.address_options, opts, host, advertise_host))
+                node.planes, node_id=self.node_id, region=self.region,
+                public_key=security.public_key, plane_options=plane_settings.options(),
+                loader=plane_loader, adjust=lambda name, cls, opts: _hosted_plane_options(
+                    name, cls.capabilities.address_options, opts, host, advertise))
             allow = None
             if security.allow_dir or security.allow:
                 from ectransport.control.keys import AllowList
@@ -153,25 +148,28 @@ class ProducerNode:
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
             self._allow = allow
             built = control if control is not None else self._make_control(
-                host, port, security, allow, dict(control_options or {}))
+                host, settings.port, security, allow, control_settings.options())
         except BaseException:
             close_all(built, self._planes, self.region if own_region else None)
             raise
         self.public_key = security.public_key
-        self.session = self._make_session(
-            ProducerConfig(node_id=self.node_id, compat_hash=layout.compat_hash,
-                           planes=tuple(planes),
-                           lease_s=lease_s, budget_bytes=budget_bytes, grace_s=grace_s,
-                           max_wait_s=max_wait_s, inline_max_bytes=inline_max_bytes,
-                           hold_s=hold_s, hold_share=hold_share,
-                           versions=tuple(versions)))
-        self.driver = ProducerDriver(self.session, built, self._planes, self.region,
-                                     own_region=own_region, observers=self._observers)
+        self.session = self._make_session(ProducerConfig(
+            node_id=self.node_id, compat_hash=layout.compat_hash, planes=node.planes,
+            versions=node.versions, settings=settings))
+        self.driver = ProducerDriver(self.session, Parts(built, self._planes, self.region,
+                                                         own_region), observers=self._observers)
         self._control: ControlServer = built
         self._lock = self.driver.lock
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, s: Settings, *, layout: Layout, security: Security,
+                      **kw: Any) -> ProducerNode:
+        """A node with every section of ``s`` (``kw``: the other constructor arguments)."""
+        return cls(layout=layout, security=security, settings=s.producer, node=s.node,
+                   plane_settings=s.planes, control_settings=s.control.server, **kw)
 
     # -- construction hooks (a wire-compatibility profile overrides these) -----------------------
     def _make_control(self, host: str, port: int, security: Security, allow: Any,
@@ -184,20 +182,13 @@ class ProducerNode:
                                 insecure=security.insecure, **options)
 
     def _make_session(self, config: ProducerConfig) -> ServingSession:
-        """The sans-I/O session the loop drives (same event/command interface for any profile)."""
-        planes = self._planes
+        """The sans-I/O session the loop drives: ECTP's, over the facts of this node's planes
+        and its region (same event/command interface for any profile)."""
         region = self.region
-        return ProducerSession(config, self.store, {n: p.describe for n, p in planes.items()},
+        return ProducerSession(config, self.store, plane_facts(self._planes),
                                observer=self._observers,
                                read=lambda runs, nbytes: b"".join(
-                                   v.data for v in region.view(runs, nbytes)),
-                               reachable=lambda name, loc: planes[name].reachable(loc),
-                               endpoint=lambda name: planes[name].endpoint(),
-                               revocable=lambda name: planes[name].capabilities.transfer_model
-                               is TransferModel.PUSH,
-                               offerable=lambda name: planes[name].capabilities.transfer_model
-                               is TransferModel.READ,
-                               max_bytes=lambda name: planes[name].capabilities.max_transfer_bytes)
+                                   v.data for v in region.view(runs, nbytes)))
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -210,7 +201,7 @@ class ProducerNode:
 
     def plane_transports(self) -> dict[str, str]:
         """Plane name → what it runs on underneath (e.g. the UCX transports)."""
-        return self.driver.plane_transports()
+        return self.driver.parts.plane_transports()
 
     def plane(self, name: str) -> DataTransport:
         """The data plane ``name`` this node serves on (its endpoint, counters, capabilities;
@@ -331,12 +322,12 @@ class ProducerNode:
             then fetch with a request), or None if the entry is not in the cache. An entry
             still being saved keeps a pending hold, taken when it is committed.
         """
-        announce = getattr(self.session, "announce", None)
+        session = self.session
         with self._lock:
-            if announce is None:
+            if not isinstance(session, AnnouncingSession):
                 return (Ticket(producer=self.node_id, hold_id=0, mm_hash=mm_hash)
                         if mm_hash in self.store else None)
-            ticket, cmds = announce(mm_hash, self.driver.clock())
+            ticket, cmds = session.announce(mm_hash, self.driver.clock())
         self.driver.defer(cmds)
         return ticket
 

@@ -1,6 +1,6 @@
 """ProducerDriver: one producer-side serving session driven over a control server and planes.
 
-    driver = ProducerDriver(session, control, planes, region, own_region=True)
+    driver = ProducerDriver(session, Parts(control, planes, region, own_region=True))
     while serving:
         driver.step(wait_s=0.02)     # or step(now) from a loop that owns the clock
 
@@ -18,16 +18,16 @@ own thread; one that was not (tests, a caller with its own loop) is stepped by i
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from ectransport.control.base import ControlServer, Down, PeerId, Received
-from ectransport.data.base import DataTransport
-from ectransport.node.driver import Driver, Observers
+from ectransport.node.driver import Observers, Parts
+from ectransport.protocol import Ticket
 from ectransport.session import Command, Revoke, Send
-from ectransport.store import BlockRegion
 
 log = logging.getLogger("ectransport.node.producer")
 
@@ -65,6 +65,13 @@ class ServingSession(Protocol):
 
 
 @runtime_checkable
+class AnnouncingSession(Protocol):
+    """A serving session that holds and offers announced entries (ECTP v2 §10)."""
+
+    def announce(self, mm_hash: str, now: float) -> tuple[Ticket | None, list[Any]]: ...
+
+
+@runtime_checkable
 class WaitingSession(Protocol):
     """A serving session whose requests may wait for an entry to become ready (ECTP v2's
     :class:`~ectransport.session.ProducerSession`)."""
@@ -76,20 +83,25 @@ class WaitingSession(Protocol):
     def next_deadline(self) -> float | None: ...
 
 
-class ProducerDriver(Driver[ControlServer]):
+class ProducerDriver:
     """Drives one :class:`ServingSession` (see module docstring).
 
     Args:
         session: the sans-I/O serving session (its store is guarded by :attr:`lock`).
-        control / planes / region / own_region / observers: see :class:`Driver`.
+        parts: the control server, planes and region it drives and closes.
+        observers: told what happens (see :class:`~ectransport.node.ProducerNode`).
         clock: the monotonic clock used when :meth:`step` is not given ``now``.
     """
 
-    def __init__(self, session: ServingSession, control: ControlServer,
-                 planes: dict[str, DataTransport], region: BlockRegion, *, own_region: bool,
+    def __init__(self, session: ServingSession, parts: Parts[ControlServer], *,
                  observers: Observers | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        super().__init__(control, planes, region, own_region=own_region, observers=observers)
+        self.parts = parts
+        self.control = parts.control
+        self.planes = parts.planes
+        self.observers = observers if observers is not None else Observers()
+        #: held by whoever touches the session or the store (the stepping thread, ``put``)
+        self.lock = threading.Lock()
         self.session = session
         self.clock = clock
         self._last_sweep = float("-inf")
@@ -177,4 +189,4 @@ class ProducerDriver(Driver[ControlServer]):
         """End every grant (revoking them on their planes), then close control, planes, region."""
         with self.lock:
             self.session.close()  # the planes close next: nothing is left to revoke on them
-        self.close_resources()
+        self.parts.close()

@@ -39,6 +39,10 @@ MAX_GRANT_BYTES = 4 << 20  # plane-specific grant blob (NIXL metadata + descript
 MAX_DEST_BYTES = 64 << 10
 MAX_LOCALITY_BYTES = 256  # a consumer plane's locality token (Hello.localities)
 MAX_ENDPOINT_BYTES = 64 << 10  # the negotiated plane's declaration (Welcome.endpoint)
+#: Hello.cert / Welcome.cert on the wire. Larger than the biggest certificate the trust layer
+#: verifies (4 KiB, ``ectransport.trust.MAX_CERT_BYTES``), so that an oversized certificate is
+#: refused as such, and a later, larger format does not make older nodes refuse the Hello.
+MAX_CERT_WIRE_BYTES = 16 << 10
 
 SessionId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 NodeId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
@@ -86,6 +90,9 @@ class Hello(Message, frozen=True, tag="hello", omit_defaults=True):
     #: optional features the consumer asks for (ECTP v2 §10: ``"offers"``); omitted when empty,
     #: ignored by nodes that do not know them
     features: Annotated[list[Feature], msgspec.Meta(max_length=MAX_FEATURES)] = []
+    #: the consumer's node certificate from a deployment CA (``protocols/certificates.md``):
+    #: binds this connection's CURVE key to a role; omitted when empty (no certificate)
+    cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_WIRE_BYTES)] = b""
 
 
 class Welcome(Message, frozen=True, tag="welcome", omit_defaults=True):
@@ -115,6 +122,9 @@ class Welcome(Message, frozen=True, tag="welcome", omit_defaults=True):
     #: the features of ``Hello.features`` this producer grants the session (ECTP v2 §10);
     #: omitted when empty
     features: Annotated[list[Feature], msgspec.Meta(max_length=MAX_FEATURES)] = []
+    #: the producer's node certificate from a deployment CA (``protocols/certificates.md``),
+    #: for the CURVE key the consumer dialed; omitted when empty (no certificate)
+    cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_WIRE_BYTES)] = b""
 
 
 class XferReq(Message, frozen=True, tag="req"):

@@ -15,12 +15,13 @@ from ectransport.session.commands import (
 )
 from ectransport.session.consumer import ConsumerConfig, ConsumerSession
 from ectransport.session.fetch import FetchState, IllegalFetchTransition
+from ectransport.session.grants import PlaneFacts
 from ectransport.session.link import IllegalTransition, Link
 from ectransport.session.producer import ProducerConfig, ProducerSession, notif_for, parse_notif
 
 __all__ = [
     "Bind", "Command", "ConsumerConfig", "ConsumerSession", "FetchState",
     "IllegalFetchTransition", "IllegalTransition", "Land", "Landed", "Link", "Miss",
-    "MissReason", "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke",
+    "MissReason", "PlaneFacts", "PostRead", "ProducerConfig", "ProducerSession", "Release", "Report", "Revoke",
     "Send", "notif_for", "parse_notif",
 ]

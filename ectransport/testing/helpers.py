@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ectransport.plugin import DataTransport, Run, XferState, identity_of
+from ectransport.plugin import FetchingPlane, Run, ServingPlane, XferState, identity_of
 from ectransport.store import HostRegion
 
 KiB = 1024
@@ -65,7 +65,7 @@ def untouched_outside(region: HostRegion, runs: Sequence[Run], value: int = SENT
     return all(bool((region.buf[off:off + n] == value).all()) for off, n in gaps(region, runs))
 
 
-def wait_state(plane: DataTransport, handle: Any, timeout_s: float) -> XferState:
+def wait_state(plane: FetchingPlane, handle: Any, timeout_s: float) -> XferState:
     """Poll ``check`` until not PROC or ``timeout_s`` passed; the last state."""
     end = time.monotonic() + timeout_s
     while (state := plane.check(handle)) is XferState.PROC and time.monotonic() < end:
@@ -73,7 +73,7 @@ def wait_state(plane: DataTransport, handle: Any, timeout_s: float) -> XferState
     return state
 
 
-def wait_notifs(plane: DataTransport, want: int, timeout_s: float) -> list[bytes]:
+def wait_notifs(plane: ServingPlane, want: int, timeout_s: float) -> list[bytes]:
     """Notifications of ``plane`` until ``want`` arrived or ``timeout_s`` passed."""
     got: list[bytes] = []
     end = time.monotonic() + timeout_s
@@ -83,7 +83,7 @@ def wait_notifs(plane: DataTransport, want: int, timeout_s: float) -> list[bytes
     return got
 
 
-def notif_arrives(plane: DataTransport, notif: bytes, timeout_s: float) -> bool:
+def notif_arrives(plane: ServingPlane, notif: bytes, timeout_s: float) -> bool:
     """Whether ``notif`` shows up among ``plane``'s notifications within ``timeout_s`` (others,
     e.g. late ones of cancelled transfers, are dropped)."""
     end = time.monotonic() + timeout_s
@@ -94,8 +94,8 @@ def notif_arrives(plane: DataTransport, notif: bytes, timeout_s: float) -> bool:
     return False
 
 
-
 def blocks_for(nbytes: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` that hold ``nbytes`` (at least 1)."""
     return max(1, -(-nbytes // block_bytes))
 
 
@@ -114,14 +114,15 @@ class Transfer:
 
 @dataclass
 class Pair:
-    """A producer plane and a consumer plane, each over its own region."""
+    """A producer plane (a serving half) and a consumer plane (a fetching half), each over its own
+    region."""
 
-    producer: DataTransport
-    consumer: DataTransport
+    producer: ServingPlane
+    consumer: FetchingPlane
     prod_region: HostRegion
     cons_region: HostRegion
     deadline_s: float
-    extra: list[DataTransport] = field(default_factory=list)
+    extra: list[ServingPlane | FetchingPlane] = field(default_factory=list)
     #: the consumer's ``bind_peer`` result for the producer (``start``'s ``prepared``)
     binding: Any = None
 

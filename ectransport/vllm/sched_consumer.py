@@ -6,9 +6,11 @@ Per feature of a waiting request (``ensure_cache_available``), in order:
 2. this request already fell back for it → compute locally (once, never re-fetched for it);
 3. landed → admissible (``has_cache_item`` is true, the scheduler will load it);
 4. fetch in flight → defer the request, unless the fetch ended: landed → 3, miss → 2;
-5. no usable announcement (no params entry, no ``peer_host``) → compute locally;
-6. announced size or shape ≠ local layout, untrusted producer key, bad address → compute
-   locally without fetching;
+5. no announcement (no params entry, or one without ``peer_host``: vLLM's metadata-only
+   entries) → compute locally;
+6. a malformed announcement (:func:`~ectransport.vllm.announcement.read_announcement`: a field
+   of the wrong type, out of bounds or missing), announced size or shape ≠ local layout, an
+   untrusted producer key → compute locally without fetching (logged, counted in ``outcomes``);
 7. otherwise start a fetch (:meth:`ConsumerNode.submit_held`, with the announcement's ticket:
    ``ect_hold``) and defer — unless it lands within ``admit_wait_s`` (a read on the producer's
    offer, or a small entry answered inline: then the request is admitted in this step; the
@@ -21,13 +23,13 @@ replaced it by a reference to the remote encoding) cannot: its request is report
 ``take_unavailable_requests`` and vLLM fails it, instead of the encoder failing the engine.
 
 A landed entry stays pinned in the shared region until every request that wanted it was
-scheduled or finished and every load of it was reported by all ranks.
+scheduled or finished and every load of it was reported by all ranks (the scheduler's
+:class:`~ectransport.vllm.loads.LoadLedger`, shared with the local tier, counts the reports).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import time
 from collections import Counter
@@ -37,7 +39,12 @@ from typing import Any
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.consumer import ConsumerNode, Held, ProducerAddress
-from ectransport.protocol import Ticket
+from ectransport.vllm.announcement import (
+    AnnouncementError,
+    is_announced,
+    read_announcement,
+)
+from ectransport.vllm.loads import LoadLedger
 from ectransport.vllm.metadata import LoadOrder
 from ectransport.vllm.region import RegionPart
 from ectransport.vllm.settings import Settings
@@ -66,53 +73,50 @@ class _Landed:
     pins: int = 0  # loads dispatched and not yet reported by every rank
 
 
-@dataclass
-class _Load:
-    mm_hash: str
-    give_up: float
-    ranks: set[int] = field(default_factory=set)
+#: The ledger's name for this side's loads (logs, ``LoadLedger.pending``).
+OWNER = "consumer"
 
 
 class ConsumerSide:
     """Owns the :class:`ConsumerNode` landing into ``part`` of the shared region.
 
     Args:
-        expected_load_reports: how many ranks report each load (all loading ranks).
+        loads: the scheduler's load ledger (shared with the local tier): queues this side's load
+            orders and counts their reports.
         local: tells whether this instance's local tier holds an item (then it is not fetched).
     """
 
     def __init__(self, settings: Settings, layout: Layout, part: RegionPart, security: Security,
-                 node_id: str, expected_load_reports: int,
+                 node_id: str, loads: LoadLedger,
                  local: Callable[[str], bool] | None = None):
         self.settings = settings
         self.local = local
         self.layout = layout
         self.part = part
         self.keys = ProducerKeys(settings)
-        self.expected_load_reports = max(1, expected_load_reports)
-        self.node = ConsumerNode(layout=layout, security=security, node_id=node_id, region=part,
-                                 **settings.consumer_node_kwargs())
+        self.loads = loads
+        self.node = ConsumerNode(layout=layout, security=security, region=part,
+                                 settings=settings.common.consumer,
+                                 node=settings.node_section(node_id))
         self._fetches: dict[str, _Fetch] = {}
         self._landed: dict[str, _Landed] = {}
         self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally
         self._unavailable: set[str] = set()  # requests to fail: local compute without media
         self._checked: set[str] = set()  # requests whose params were matched against their items
-        self._queued: list[LoadOrder] = []
-        self._loads: dict[int, _Load] = {}
-        self._ids = itertools.count(1)
         self.outcomes: Counter[str] = Counter()  # "landed", "local:<why>", "miss:<reason>"
         #: what admit() waited this scheduler step (at most admit_wait_s in all, whatever the
-        #: number of requests; reset by take_orders)
+        #: number of requests; reset by step)
         self._admit_spent_s = 0.0
 
     # -- queries -------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Load orders not yet handed to the workers. Fetches in flight do not count: a request
-        waiting for one keeps the engine stepping anyway, and one nobody waits for any more is
-        settled at the next step. Loads awaiting reports do not count either: vLLM does not run
-        the workers' EC hooks on an idle consumer step, so stepping would not deliver them."""
-        return bool(self._queued)
+        """Load orders not yet handed to the workers (the ledger's). Fetches in flight do not
+        count: a request waiting for one keeps the engine stepping anyway, and one nobody waits
+        for any more is settled at the next step. Loads awaiting reports do not count either:
+        vLLM does not run the workers' EC hooks on an idle consumer step, so stepping would not
+        deliver them."""
+        return self.loads.busy
 
     def has(self, mm_hash: str) -> bool:
         return mm_hash in self._landed
@@ -155,10 +159,9 @@ class ConsumerSide:
                 continue
             if (rid, mm_hash) in self._local:
                 continue
-            info = params.get(mm_hash)
-            if not isinstance(info, dict) or "peer_host" not in info:
+            if mm_hash not in params or not is_announced(params[mm_hash]):
                 continue  # not announced: the encoder runs here
-            if self._start(rid, mm_hash, feature, info, now):
+            if self._start(rid, mm_hash, feature, params[mm_hash], now):
                 pending = True
                 if self._fetches[mm_hash].fast:
                     fast.append(mm_hash)
@@ -204,28 +207,38 @@ class ConsumerSide:
         for rid in rids:
             self._local.add((rid, mm_hash))
 
-    def _start(self, rid: str, mm_hash: str, feature: Any, info: dict, now: float) -> bool:
+    def _start(self, rid: str, mm_hash: str, feature: Any, entry: object, now: float) -> bool:
+        """Start the fetch ``entry`` (the item's ``ec_transfer_params`` value) announces (True),
+        or make the item compute locally (False: malformed, wrong size, untrusted key)."""
         rows = int(feature.mm_position.get_num_embeds())
         nbytes = rows * self.layout.block_bytes
-        why = _check_announcement(info, nbytes, rows, self.layout)
-        key = None
-        if why is None:
-            key, why = self.keys.resolve(info.get("public_key"))
-            why = f"untrusted key: {why}" if why else None
+        try:
+            ann = read_announcement(mm_hash, entry)
+        except AnnouncementError as e:
+            return self._refuse(rid, mm_hash, str(e))
+        why = ann.mismatch(nbytes, rows, self.layout)
         if why is not None:
-            log.warning("EC consumer: computing %s locally without fetching: %s", mm_hash, why)
-            self._fall_back({rid}, mm_hash, "local:" + why.split(":")[0])
-            return False
-        addr = ProducerAddress(str(info["peer_host"]), int(info["peer_port"]), key)
-        ticket = _ticket(info, mm_hash)
+            return self._refuse(rid, mm_hash, why)
+        key, distrust = self.keys.resolve(ann.public_key)
+        if distrust:
+            return self._refuse(rid, mm_hash, f"untrusted key: {distrust}")
+        addr = ProducerAddress(ann.peer_host, ann.peer_port, key)
+        ticket = ann.ticket(mm_hash)
         future = self.node.submit_held(addr, mm_hash, timeout_s=self.settings.fetch_timeout_s,
                                        ticket=ticket)
-        fast = ticket is not None or nbytes <= self.node.config.inline_max_bytes
+        fast = ticket is not None or nbytes <= self.node.settings.inline_max_bytes
         self._fetches[mm_hash] = _Fetch(future, nbytes,
                                         now + self.settings.fetch_timeout_s + _GRACE_S, {rid},
                                         started=now, fast=fast)
         log.debug("EC consumer: fetching %s (%d bytes) from %s", mm_hash, nbytes, addr.key)
         return True
+
+    def _refuse(self, rid: str, mm_hash: str, why: str) -> bool:
+        """The item computes locally, not fetched; ``why`` starts with the outcome's name
+        (``"announcement: ..."``, ``"size mismatch: ..."``, ``"untrusted key: ..."``)."""
+        log.warning("EC consumer: computing %s locally without fetching: %s", mm_hash, why)
+        self._fall_back({rid}, mm_hash, "local:" + why.split(":")[0])
+        return False
 
     def _settle(self, mm_hash: str, f: _Fetch, now: float) -> bool:
         """Resolve a finished fetch (True) or leave it in flight (False)."""
@@ -267,53 +280,32 @@ class ConsumerSide:
         """The scheduler loads ``request.mm_features[index]`` externally: pin it, queue a load."""
         mm_hash = request.mm_features[index].identifier
         landed = self._landed.get(mm_hash)
-        if landed is None or any(o.mm_hash == mm_hash for o in self._queued):
+        if landed is None or self.loads.queued(mm_hash):
             return
         landed.wanted.discard(request.request_id)
         landed.pins += 1
         h = landed.held
-        tid = next(self._ids)
-        self._queued.append(LoadOrder(mm_hash, tid, tuple(self.part.spans(h.runs, h.nbytes)),
-                                      h.nbytes, (h.nbytes // self.layout.block_bytes,
-                                                 self.layout.hidden)))
-        self._loads[tid] = _Load(mm_hash, now + self.settings.load_timeout_s)
+        order = LoadOrder(mm_hash, self.loads.new_id(), tuple(self.part.spans(h.runs, h.nbytes)),
+                          h.nbytes, (h.nbytes // self.layout.block_bytes, self.layout.hidden))
+        self.loads.add(order, owner=OWNER, on_done=lambda: self._load_done(mm_hash), now=now)
 
-    def take_orders(self, now: float) -> list[LoadOrder]:
-        """This step's load orders; also settles finished fetches and expired load pins."""
+    def step(self, now: float) -> None:
+        """Once per scheduler step, before the ledger hands out this step's orders: settles
+        finished fetches and gives back landed entries nobody wants any more."""
         self._admit_spent_s = 0.0
         for mm_hash, f in list(self._fetches.items()):
             f.steps += not self._settle(mm_hash, f, now)
-        for tid, load in list(self._loads.items()):
-            if now >= load.give_up:
-                log.warning("EC consumer: load %d of %s not reported by every rank within "
-                            "%.0f s; releasing it", tid, load.mm_hash,
-                            self.settings.load_timeout_s)
-                self._finish_load(tid)
         for mm_hash in [m for m, x in self._landed.items() if not x.wanted and not x.pins]:
             self._release(mm_hash)
-        orders, self._queued = self._queued, []
-        return orders
 
-    def on_reports(self, loaded: list[tuple[int, int]], failed: list[tuple[int, int, str]]) -> None:
-        """Apply the workers' load reports; the pin goes once every rank has reported."""
-        for tid, rank, why in failed:
-            log.error("EC consumer: rank %d could not load transfer %d: %s", rank, tid, why)
-        for tid, rank in [*loaded, *((t, r) for t, r, _ in failed)]:
-            load = self._loads.get(tid)
-            if load is None:
-                continue  # stale or replayed
-            load.ranks.add(rank)
-            if len(load.ranks) >= self.expected_load_reports:
-                self._finish_load(tid)
-
-    def _finish_load(self, tid: int) -> None:
-        load = self._loads.pop(tid)
-        landed = self._landed.get(load.mm_hash)
+    def _load_done(self, mm_hash: str) -> None:
+        """The ledger settled one load of ``mm_hash`` (every rank reported, or it timed out)."""
+        landed = self._landed.get(mm_hash)
         if landed is None:
             return
         landed.pins -= 1
         if landed.pins == 0 and not landed.wanted:
-            self._release(load.mm_hash)
+            self._release(mm_hash)
 
     def _release(self, mm_hash: str) -> None:
         landed = self._landed.pop(mm_hash)
@@ -340,49 +332,7 @@ class ConsumerSide:
         self.node.close()  # in-flight fetches end as misses; the region goes with its owner
         self._fetches.clear()
         self._landed.clear()
-        self._loads.clear()
-        self._queued.clear()
         self._local.clear()
         self._unavailable.clear()
         self._checked.clear()
 
-
-def _ticket(info: dict, mm_hash: str) -> Ticket | None:
-    """The ticket an announcement carries (``ect_hold`` and ``producer_id``), or None: absent,
-    0 (no hold) or malformed — then the entry is fetched with a request."""
-    hold, producer = info.get("ect_hold"), info.get("producer_id")
-    if not (type(hold) is int and 0 < hold < 1 << 63 and isinstance(producer, str)
-            and 0 < len(producer) <= 128):
-        return None
-    return Ticket(producer=producer, hold_id=hold, mm_hash=mm_hash)
-
-
-def _check_announcement(info: dict, nbytes: int, rows: int, layout: Layout) -> str | None:
-    """Why an announcement cannot be fetched into this layout, or None."""
-    try:
-        port = int(info["peer_port"])
-        size = int(info["size_bytes"])
-    except (KeyError, TypeError, ValueError):
-        return "announcement: peer_port / size_bytes are not integers"
-    if not isinstance(info.get("peer_host"), str) or not info["peer_host"] or \
-            not 0 < port < 65536:
-        return "announcement: bad peer_host / peer_port"
-    if size != nbytes:
-        return (f"size mismatch: announced {size} bytes, this model needs {nbytes} "
-                f"({rows} rows of {layout.hidden} {layout.dtype})")
-    shape = info.get("shape")
-    if shape is not None and _as_ints(shape) != [rows, layout.hidden]:
-        return f"size mismatch: announced shape {shape}, this model needs [{rows}, {layout.hidden}]"
-    dtype = info.get("dtype")
-    if dtype is not None and str(dtype).removeprefix("torch.") != layout.dtype:
-        return f"size mismatch: announced dtype {dtype}, this model uses {layout.dtype}"
-    return None
-
-
-def _as_ints(value: object) -> list[int] | None:
-    if not isinstance(value, (list, tuple)):
-        return None
-    try:
-        return [int(x) for x in value]
-    except (TypeError, ValueError):
-        return None

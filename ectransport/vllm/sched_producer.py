@@ -29,14 +29,12 @@ from typing import Any
 from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
 from ectransport.store import AllocFailed
+from ectransport.vllm.announcement import TRANSPORT, Announcement
 from ectransport.vllm.metadata import SaveOrder
 from ectransport.vllm.region import RegionPart, SharedRegion
 from ectransport.vllm.settings import Settings
 
 log = logging.getLogger("ectransport.vllm.producer")
-
-#: Marks the params entries this connector writes (other keys may be added by vLLM versions).
-TRANSPORT = "ectransport"
 
 
 class ProducerSide:
@@ -56,8 +54,9 @@ class ProducerSide:
         self._cooling: list[tuple[float, int]] = []  # slots of dropped saves, free after a while
         # every producer setting through the mapping `ectransport serve` uses (advertise_host
         # was once left out here: a wildcard host could not serve the tcp/ucx planes)
-        self.node = ProducerNode(layout=layout, security=security, node_id=node_id, region=part,
-                                 **settings.producer_node_kwargs()).start()
+        self.node = ProducerNode(layout=layout, security=security, region=part,
+                                 settings=settings.common.producer,
+                                 node=settings.node_section(node_id)).start()
         self._reserved: dict[str, SaveOrder] = {}  # reserved, not yet dispatched
         self._saving: dict[str, tuple[int, float, int]] = {}  # dispatched: entry_id, give-up, slot
         self._drops: list[tuple[str, int]] = []
@@ -164,31 +163,30 @@ class ProducerSide:
 
     def announce(self, request: Any) -> dict[str, dict[str, Any]]:
         """``ec_transfer_params`` for the request's features that have an entry (ready, or with
-        the save still in flight: consumers' requests wait for it). Each is announced
-        (:meth:`ProducerNode.announce`): ``ect_hold`` names its hold, which consumer sessions
-        were offered, so that they read it with no request (ECTP v2 §10); absent when no hold
-        was taken."""
+        the save still in flight: consumers' requests wait for it), one :class:`Announcement`
+        each, as plain dicts. Each is announced (:meth:`ProducerNode.announce`): ``ect_hold``
+        names its hold, which consumer sessions were offered, so that they read it with no
+        request (ECTP v2 §10); absent when no hold was taken."""
         items: dict[str, dict[str, Any]] = {}
         for feature in request.mm_features or ():
             mm_hash = feature.identifier
             entry = self.node.lookup(mm_hash)
             if entry is None:
                 continue  # never saved, or evicted: the consumer computes it
-            items[mm_hash] = {
-                "peer_host": self.settings.announced_host,
-                "peer_port": self.node.port,
-                "size_bytes": entry.nbytes,
-                "shape": [entry.nbytes // self.layout.block_bytes, self.layout.hidden],
-                "dtype": self.layout.dtype,
-                "public_key": self.node.public_key,
-                "planes": list(self.settings.planes),
-                "versions": list(self.settings.versions),
-                "producer_id": self.node.node_id,
-                "transport": TRANSPORT,
-            }
             ticket = self.node.announce(mm_hash)  # held and offered (ECTP v2 §10)
-            if ticket is not None and ticket.hold_id:
-                items[mm_hash]["ect_hold"] = ticket.hold_id
+            items[mm_hash] = Announcement(
+                peer_host=self.settings.announced_host,
+                peer_port=self.node.port,
+                size_bytes=entry.nbytes,
+                shape=[entry.nbytes // self.layout.block_bytes, self.layout.hidden],
+                dtype=self.layout.dtype,
+                public_key=self.node.public_key,
+                planes=list(self.settings.planes),
+                versions=list(self.settings.versions),
+                producer_id=self.node.node_id,
+                transport=TRANSPORT,
+                ect_hold=ticket.hold_id if ticket is not None and ticket.hold_id else None,
+            ).to_params()
         return items
 
     def close(self) -> None:

@@ -4,8 +4,10 @@ It creates the shared region (:class:`~ectransport.vllm.region.SharedRegion`) an
 a :class:`ProducerSide` for ``ec_producer``, a :class:`ConsumerSide` for ``ec_consumer``, both for
 ``ec_both`` (the region is then split in two halves: served entries, fetched entries), and for
 the roles that save, the :class:`~ectransport.vllm.local_tier.LocalTier` (a repeated item is
-taken from this instance's own region). Every method is a thin dispatch; the transfer logic
-lives in the nodes and sessions.
+taken from this instance's own region). The consumer side and the local tier queue their load
+orders in one :class:`~ectransport.vllm.loads.LoadLedger`, which hands them to the workers and
+counts the ranks' reports. Every method is a thin dispatch; the transfer logic lives in the nodes
+and sessions.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from ectransport.errors import ConfigError
 from ectransport.node.common import Layout, Security
+from ectransport.vllm.loads import LoadLedger
 from ectransport.vllm.local_tier import LocalTier
 from ectransport.vllm.metadata import ECTransportMetadata, ECTransportWorkerMetadata
 from ectransport.vllm.region import SharedRegion, region_path
@@ -97,6 +100,7 @@ class SchedulerDelegate:
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
         self.local: LocalTier | None = None
+        self.loads = LoadLedger(expected_load_reports(vllm_config), settings.load_timeout_s)
         self._item_metadata = item_metadata(vllm_config) if producer else None
         try:
             first = 0
@@ -107,15 +111,12 @@ class SchedulerDelegate:
                                              marks=self.region)
                 first = n
                 if settings.local_cache:
-                    self.local = LocalTier(self.producer, loads=consumer,
-                                           expected_load_reports=expected_load_reports(
-                                               vllm_config),
-                                           load_timeout_s=settings.load_timeout_s)
+                    self.local = LocalTier(self.producer, self.loads, loads=consumer)
             if consumer:
                 self.consumer = ConsumerSide(settings, layout,
                                              self.region.part(first, total - first),
                                              security_for(settings, False), f"ect-c-{key}",
-                                             expected_load_reports(vllm_config),
+                                             self.loads,
                                              local=self.local.has if self.local else None)
         except BaseException:
             self.shutdown()
@@ -187,10 +188,9 @@ class SchedulerDelegate:
                                    region_bytes=self.region.file_bytes)
         if self.producer is not None:
             meta.saves, meta.drop_saves = self.producer.take_orders(now)
-        if self.local is not None:
-            meta.loads = self.local.take_orders(now)
         if self.consumer is not None:
-            meta.loads += self.consumer.take_orders(now)
+            self.consumer.step(now)
+        meta.loads = self.loads.take(now)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -199,10 +199,7 @@ class SchedulerDelegate:
             return
         if self.producer is not None:
             self.producer.on_reports(meta.saved, meta.save_failed)
-        if self.local is not None:
-            self.local.on_reports(meta.loaded, meta.load_failed)
-        if self.consumer is not None:
-            self.consumer.on_reports(meta.loaded, meta.load_failed)
+        self.loads.on_reports(meta.loaded, meta.load_failed)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         if self.consumer is not None:
@@ -231,8 +228,7 @@ class SchedulerDelegate:
         before it lets an idle engine sleep, so completed saves become READY here too."""
         if self.producer is not None:
             self.producer.poll_marks()
-        return bool((self.producer is not None and self.producer.busy) or
-                    (self.consumer is not None and self.consumer.busy))
+        return bool((self.producer is not None and self.producer.busy) or self.loads.busy)
 
     def shutdown(self) -> None:
         """Remove the region file's name first (a process killed during the rest of the
@@ -241,10 +237,10 @@ class SchedulerDelegate:
         if getattr(self, "region", None) is not None:
             self.region.unlink()
         self._restore_handlers()
-        local = getattr(self, "local", None)  # None also when __init__ failed before setting it
-        if local is not None:
-            local.close()
-            self.local = None
+        loads = getattr(self, "loads", None)  # None when __init__ failed before setting it
+        if loads is not None:
+            loads.close()  # gives back the load pins while the nodes are still open
+        self.local = None
         for side in (self.consumer, self.producer):
             if side is not None:
                 try:

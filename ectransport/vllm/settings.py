@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import msgspec
 from msgspec import inspect as mi
 
 from ectransport import settings_schema as schema
@@ -144,22 +145,12 @@ class Settings:
     def trusts_announced_keys(self) -> bool:
         return self.producer_keys == (ANNOUNCED,)
 
-    def producer_node_kwargs(self) -> dict[str, Any]:
-        """``ProducerNode`` arguments (all but ``layout``, ``security``, ``region``, ``node_id``):
-        the same mapping as ``ectransport serve``'s, so no setting can be left out."""
-        kw = self.common.producer_node_kwargs()
-        for k in ("region_bytes", "node_id", "plane_options", "control_options"):
-            del kw[k]  # region: the shared one; plane/control options: the node's defaults
-        return kw
-
-    def consumer_node_kwargs(self) -> dict[str, Any]:
-        """``ConsumerNode`` arguments (all but ``layout``, ``security``, ``region``,
-        ``node_id``), as :meth:`producer_node_kwargs`."""
-        kw = self.common.consumer_node_kwargs()
-        for k in ("region_bytes", "node_id", "plane_options", "control_options",
-                  "session_options"):
-            del kw[k]
-        return kw
+    def node_section(self, node_id: str) -> schema.NodeSettings:
+        """The node section of either role's node (planes, versions) under ``node_id``; the
+        other sections are ``common.producer`` / ``common.consumer``, as ``ectransport serve``
+        uses them, so no setting can be left out (the region is the shared one; plane and
+        control options are the nodes' defaults)."""
+        return msgspec.structs.replace(self.common.node, node_id=node_id)
 
 
 #: Public key -> its :class:`_Key`, in declaration order.

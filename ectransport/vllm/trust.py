@@ -45,8 +45,9 @@ class ProducerKeys:
         """``(key, "")`` to connect with, or ``(None, why)`` when the fetch must not happen.
 
         Args:
-            announced: the ``public_key`` value of the feature's ec_transfer_params (any type:
-                it comes from the request).
+            announced: the ``public_key`` of the item's announcement
+                (:class:`~ectransport.vllm.announcement.Announcement`: a 40-character string or
+                None; still checked here to be a Z85 key, since it comes from the request).
         """
         if self.insecure:
             return None, ""

@@ -10,6 +10,7 @@ import pytest
 
 from ectransport.data.base import Capabilities, DataTransport, TransferModel, XferState
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 from tests.conftest import wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -84,24 +85,46 @@ def test_a_second_welcome_naming_another_plane_does_not_hand_old_handles_to_the_
     unbound: _bind calls ``plane.unbind_peer(old)`` on the new plane)."""
     fa, fb = _fake_plane("fa", stuck=True), _fake_plane("fb", stuck=False)
     fakes = {"fa": fa, "fb": fb}
-    monkeypatch.setattr("ectransport.node.producer.load_plane", lambda n: fakes[n])
-    monkeypatch.setattr("ectransport.node.consumer.load_plane", lambda n: fakes[n])
     sec = Security(insecure=True)
-    p1 = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("fa", "fb"), security=sec)
+    p1 = ProducerNode(
+        layout=LAYOUT,
+        security=sec,
+        settings=ProducerSettings(region_bytes=1 << 20, inline_max_bytes=0),
+        node=NodeSettings(planes=("fa", "fb")),
+        plane_loader=fakes.__getitem__,
+    )
     assert p1.put("a", DATA)
     p1.start()
     port = p1.port
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("fa", "fb"),
-                             security=sec, read_timeout_s=0.5, quarantine_s=60.0,
-                             session_options={"peer_backoff_s": 0.05,
-                                              "peer_backoff_max_s": 0.1}))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ConsumerSettings(
+                region_bytes=1 << 20,
+                read_timeout_s=0.5,
+                quarantine_s=60.0,
+                peer_backoff_s=0.05,
+                peer_backoff_max_s=0.1,
+            ),
+            node=NodeSettings(planes=("fa", "fb")),
+            plane_loader=fakes.__getitem__,
+        )
+    )
     addr = ProducerAddress("127.0.0.1", port)
     out = c.fetch(addr, "a", timeout_s=5.0)
     assert not out.ok  # the "fa" READ never completes: read deadline, transfer quarantined
     assert c.stats()["quarantined_transfers"] == 1
     p1.close()
-    p2 = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("fb",), port=port,
-                              security=sec))
+    p2 = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ProducerSettings(region_bytes=1 << 20, inline_max_bytes=0, port=port),
+            node=NodeSettings(planes=("fb",)),
+            plane_loader=fakes.__getitem__,
+        )
+    )
     assert p2.put("a", DATA)
     p2.start()
     s = c.session(addr)
@@ -184,14 +207,28 @@ def test_a_hostile_producers_failed_session_does_not_close_an_honest_producers_u
     from ectransport.data.ucx import UcxEndpoint
 
     sec = Security(insecure=True)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("ucx",), security=sec))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ProducerSettings(region_bytes=1 << 20, inline_max_bytes=0),
+            node=NodeSettings(planes=("ucx",)),
+        )
+    )
     assert p.put("a", DATA)
     p.start()
     ep = endpoint_bytes(UcxEndpoint(ENDPOINT_VERSION, "127.0.0.1", 1, "hostile", ""))
     h = closing(_MiniHostileProducer("127.0.0.1", "ucx", ep))
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("ucx",), security=sec,
-                             session_options={"peer_backoff_s": 0.05,
-                                              "peer_backoff_max_s": 0.05}))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ConsumerSettings(
+                region_bytes=1 << 20, peer_backoff_s=0.05, peer_backoff_max_s=0.05
+            ),
+            node=NodeSettings(planes=("ucx",)),
+        )
+    )
     out = c.fetch(ProducerAddress("127.0.0.1", p.port), "a", timeout_s=10.0)
     assert out.ok, out
     del out
@@ -230,7 +267,14 @@ def test_a_push_planes_blocks_stay_pinned_until_its_grant_is_revoked(closing):
     from tests.node._ectp_raw import RawClient
 
     sec = Security(insecure=True)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0, planes=("tcp",), security=sec))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ProducerSettings(region_bytes=1 << 20, inline_max_bytes=0),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    )
     assert p.put("a", DATA)
     p.start()
     plane = p.plane("tcp")

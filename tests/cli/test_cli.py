@@ -24,7 +24,6 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
 from ectransport.cli.main import cli
 from tests.conftest import wait_for
 

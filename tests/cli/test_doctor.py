@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
 from ectransport.cli.main import cli
 from ectransport.config import Settings
 from ectransport.config import doctor as doc

@@ -12,7 +12,6 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
 from ectransport.cli.main import cli
 from ectransport.cli.options import select, setting_options
 from ectransport.config import load_settings, render
@@ -28,7 +27,6 @@ from ectransport.settings_schema import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE_OPTION_MAPS = ("plane_options", "control_options", "session_options")
 
 
 def _defaults(fn) -> dict[str, object]:
@@ -37,22 +35,22 @@ def _defaults(fn) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("node", ["producer", "consumer"])
-def test_node_constructor_defaults_are_the_schemas(node):
-    """ProducerNode/ConsumerNode take every setting the schema maps to them, with the schema's
-    Python API default (``API.producer.lease_s``, ...): one source for both."""
+def test_node_constructors_take_the_schemas_sections_as_defaults(node):
+    """ProducerNode/ConsumerNode take the typed sections of the schema, defaulting to its Python
+    API defaults (``API.producer``, ...): one source for both, no field list kept by hand."""
     if node == "producer":
         from ectransport.node.producer import ProducerNode as cls
-        kwargs = API.producer_node_kwargs()
+        want = {"settings": API.producer, "control_settings": API.control.server}
     else:
         from ectransport.node.consumer import ConsumerNode as cls
-        kwargs = API.consumer_node_kwargs()
+        want = {"settings": API.consumer, "control_settings": API.control.client}
+    want |= {"node": API.node, "plane_settings": API.planes}
     got = _defaults(cls.__init__)
-    for name, want in kwargs.items():
-        assert name in inspect.signature(cls.__init__).parameters, f"{cls.__name__}: no {name}"
-        if name in NODE_OPTION_MAPS:
-            continue  # None there = the schema's defaults of the control plane, planes, session
-        assert got[name] == want, f"{cls.__name__}({name}=) defaults to {got[name]!r}, the " \
-                                  f"schema to {want!r}"
+    for name, section in want.items():
+        assert got[name] == section, f"{cls.__name__}({name}=) defaults to {got[name]!r}"
+    s = Settings()
+    built = inspect.signature(cls.from_settings)
+    assert list(built.parameters)[:2] == ["s", "layout"], built
 
 
 def test_session_and_control_defaults_are_the_schemas():
@@ -64,20 +62,16 @@ def test_session_and_control_defaults_are_the_schemas():
         return {f.name: f.default for f in dataclasses.fields(dc)
                 if f.default is not dataclasses.MISSING}
 
-    consumer = fields(ConsumerConfig)
-    for k, v in {**API.session_options(), "ack_timeout_s": API.consumer.ack_timeout_s,
-                 "read_timeout_s": API.consumer.read_timeout_s,
-                 "quarantine_s": API.consumer.quarantine_s, "planes": API.node.planes,
-                 "versions": API.node.versions}.items():
-        assert consumer[k] == v, f"ConsumerConfig.{k}"
-    producer = fields(ProducerConfig)
-    for k in ("lease_s", "budget_bytes", "grace_s"):
-        assert producer[k] == getattr(API.producer, k), f"ProducerConfig.{k}"
+    for cfg, section in ((ConsumerConfig, API.consumer), (ProducerConfig, API.producer)):
+        got = fields(cfg)
+        assert got["settings"] == section and got["planes"] == API.node.planes, cfg
+        assert got["versions"] == API.node.versions, cfg
     for cls, section in ((ZmqControlServer, API.control.server),
                          (ZmqControlClient, API.control.client)):
         got = _defaults(cls.__init__)
         for k in type(section).__struct_fields__:
             assert got[k] == getattr(section, k), f"{cls.__name__}({k}=)"
+        assert set(section.options()) <= set(got), "every option is a constructor argument"
     for k, v in SERVING_DEFAULTS.items():
         assert getattr(API.planes.tcp, k) == v, f"planes.tcp.{k}"
 

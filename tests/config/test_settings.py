@@ -10,7 +10,6 @@ import pytest
 import tomllib
 from click.testing import CliRunner
 
-from ectransport.cli import commands  # noqa: F401  (registers the subcommands)
 from ectransport.cli.main import cli
 from ectransport.cli.options import cli_settings, setting_options
 from ectransport.config import LEAVES, Settings, load_settings, render
@@ -28,18 +27,17 @@ def test_defaults_match_the_nodes_and_operations_doc():
     s = load_settings(env={}).settings
     assert s == CLI == defaults("cli")
     assert load_settings(env={}, front_end="api").settings == Settings()
-    c = s.consumer_node_kwargs()
-    assert (c["ack_timeout_s"], c["read_timeout_s"], c["quarantine_s"], c["fetch_timeout_s"]) == \
+    c = s.consumer
+    assert (c.ack_timeout_s, c.read_timeout_s, c.quarantine_s, c.fetch_timeout_s) == \
         (2.0, 20.0, 60.0, 30.0)
-    assert c["session_options"] == {"hello_timeout_s": 5.0, "retry_backoff_s": 0.02,
-                                    "retry_backoff_max_s": 0.5, "peer_backoff_s": 1.0,
-                                    "peer_backoff_max_s": 60.0}
-    assert c["control_options"]["handshake_timeout_s"] == 1.5
-    p = s.producer_node_kwargs()
-    assert (p["lease_s"], p["port"], p["region_bytes"]) == (30.0, 5601, 1 << 30)
-    assert p["control_options"]["handshake_timeout_s"] == 10.0
-    assert p["control_options"]["peer_rate_per_s"] == 2000.0
-    assert "host" not in p["plane_options"]["tcp"]  # the node defaults it to the control host
+    assert (c.hello_timeout_s, c.retry_backoff_s, c.retry_backoff_max_s, c.peer_backoff_s,
+            c.peer_backoff_max_s) == (5.0, 0.02, 0.5, 1.0, 60.0)
+    assert s.control.client.options()["handshake_timeout_s"] == 1.5
+    p = s.producer
+    assert (p.lease_s, p.port, p.region_bytes) == (30.0, 5601, 1 << 30)
+    assert s.control.server.options()["handshake_timeout_s"] == 10.0
+    assert s.control.server.options()["peer_rate_per_s"] == 2000.0
+    assert "host" not in s.planes.options()["tcp"]  # the node defaults it to the control host
 
 
 def test_every_setting_has_a_description_with_a_unit_where_it_has_one():
@@ -89,7 +87,7 @@ def test_config_file_from_environment_and_nested_env_keys(tmp_path):
     assert s.planes.plugins == {"shm": {"path": "/dev/shm/a", "size_bytes": 4096}}
     assert s.planes.ucx.ucx_options == {"TLS": "tcp,self"}
     assert s.control.server.peer_burst == 100
-    assert s.producer_node_kwargs()["plane_options"]["shm"]["size_bytes"] == 4096
+    assert s.planes.options()["shm"]["size_bytes"] == 4096
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -24,9 +24,26 @@ def test_every_exported_name_exists_and_is_in_the_reference():
 
 
 def test_the_version_is_the_registrys():
-    assert api.PLUGIN_API_VERSION == 2
+    assert api.PLUGIN_API_VERSION == 3 and api.SUPPORTED_API_VERSIONS == (2, 3)
     assert declared_api_version(TcpPlane) == api.PLUGIN_API_VERSION
-    check_plane(TcpPlane, "tcp")  # what the registry and the conformance kit require
+    assert check_plane(TcpPlane, "tcp") == 3  # what the registry and the conformance kit require
+
+
+def test_the_contract_has_two_halves_and_data_transport_is_both():
+    serving = {"describe", "revoke", "poll_notifications", "endpoint", "reachable"}
+    fetching = {"start", "check", "error_detail", "release", "locality", "bind_peer",
+                "unbind_peer", "forget_peer"}
+    shared = {"probe", "describe_transport", "close", "__init__"}
+    for name in shared:
+        assert name in vars(api.PlaneBase)
+    assert serving <= set(vars(api.ServingPlane)) and not fetching & set(dir(api.ServingPlane))
+    assert fetching <= set(vars(api.FetchingPlane)) and not serving & set(dir(api.FetchingPlane))
+    assert api.DataTransport.__mro__[1:3] == (api.ServingPlane, api.FetchingPlane)
+    assert not vars(api.DataTransport).keys() & (serving | fetching | shared)  # adds nothing
+    assert api.plane_halves(api.DataTransport) == (api.SERVE, api.FETCH)
+    assert api.plane_halves(api.ServingPlane) == ("serve",)
+    assert api.plane_halves(api.FetchingPlane) == ("fetch",)
+    assert api.plane_halves(api.PlaneBase) == () and api.plane_halves(object()) == ()
 
 
 def test_the_built_in_socket_planes_share_the_base():

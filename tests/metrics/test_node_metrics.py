@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from ectransport.metrics import Metrics  # noqa: E402
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security  # noqa: E402
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 from tests.conftest import wait_for  # noqa: E402
 
 LAYOUT = Layout(model_id="metrics-test", dtype="float32", hidden=64)  # 256-byte blocks
@@ -51,10 +52,12 @@ def traffic():
     closing = []
     try:
         # inline off: these entries are small, and an inline answer (ECTP v2) is no grant
-        producer = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, inline_max_bytes=0,
-                                planes=("tcp",),
-                                security=Security(public_key=ppub, secret_key=psec,
-                                                  allow=allowed.__contains__))
+        producer = ProducerNode(
+            layout=LAYOUT,
+            security=Security(public_key=ppub, secret_key=psec, allow=allowed.__contains__),
+            settings=ProducerSettings(region_bytes=1 << 20, inline_max_bytes=0),
+            node=NodeSettings(planes=("tcp",)),
+        )
         closing.append(producer)
         pm = Metrics(CollectorRegistry())
         pm.attach(producer)
@@ -68,14 +71,30 @@ def traffic():
         cm = Metrics(CollectorRegistry())
         cport = cm.serve(0)
         closing.append(cm)
-        consumer = cm.attach(ConsumerNode(layout=LAYOUT, planes=("tcp",), fetch_timeout_s=10,
-                                          security=Security(public_key=cpub, secret_key=csec)))
+        consumer = cm.attach(
+            ConsumerNode(
+                layout=LAYOUT,
+                security=Security(public_key=cpub, secret_key=csec),
+                settings=ConsumerSettings(fetch_timeout_s=10),
+                node=NodeSettings(planes=("tcp",)),
+            )
+        )
         closing.append(consumer)
-        other = cm.attach(ConsumerNode(layout=OTHER, planes=("tcp",), fetch_timeout_s=10,
-                                       security=Security(public_key=xpub, secret_key=xsec)))
+        other = cm.attach(
+            ConsumerNode(
+                layout=OTHER,
+                security=Security(public_key=xpub, secret_key=xsec),
+                settings=ConsumerSettings(fetch_timeout_s=10),
+                node=NodeSettings(planes=("tcp",)),
+            )
+        )
         closing.append(other)
-        stranger = ConsumerNode(layout=LAYOUT, planes=("tcp",), fetch_timeout_s=5,
-                                security=Security(public_key=bad_pub, secret_key=bad_sec))
+        stranger = ConsumerNode(
+            layout=LAYOUT,
+            security=Security(public_key=bad_pub, secret_key=bad_sec),
+            settings=ConsumerSettings(fetch_timeout_s=5),
+            node=NodeSettings(planes=("tcp",)),
+        )
         closing.append(stranger)
         addr = ProducerAddress(producer.host, producer.port, ppub)
 

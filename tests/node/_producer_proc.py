@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 
+from ectransport.settings_schema import NodeSettings, ProducerSettings
+
 
 def make_rows(rows: int, hidden: int, seed: int) -> np.ndarray:
     """``[rows, hidden]`` bf16 bit patterns (as uint16) of seeded standard-normal floats.
@@ -54,8 +56,14 @@ def main(argv: list[str]) -> int:
     else:
         sec = Security.from_files(args.key, args.allow_dir)
     layout = Layout(hidden=args.hidden, dtype="bfloat16")
-    node = ProducerNode(layout=layout, region_bytes=args.region_bytes, security=sec,
-                        lease_s=args.lease_s, node_id="producer-child", port=args.port)
+    node = ProducerNode(
+        layout=layout,
+        security=sec,
+        settings=ProducerSettings(
+            region_bytes=args.region_bytes, lease_s=args.lease_s, port=args.port
+        ),
+        node=NodeSettings(node_id="producer-child"),
+    )
     names = []
     try:
         for spec in args.item:

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import sys
+import threading
+
+from ectransport.settings_schema import ConsumerSettings, NodeSettings
 
 
 def _stop(where: str) -> None:
+    """Stop the whole process now, from the calling thread (the node's I/O thread): a SIGSTOP
+    sent to the process may be taken by another thread first, and the caller would run on for
+    a few milliseconds — long enough to finish the fetch — before the group stop reaches it."""
     print(json.dumps({"stopped": where}), flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def main(argv: list[str]) -> int:
@@ -31,11 +36,11 @@ def main(argv: list[str]) -> int:
     from ectransport.data.registry import load_plane
     from ectransport.node import ConsumerNode, Layout, ProducerAddress, Security
     from ectransport.protocol import Status
-    from ectransport.session import ConsumerSession
+    from ectransport.session.fetches import FetchTable
 
     stopped = []
     if stop_at == "ack":
-        orig_answer = ConsumerSession._on_answer
+        orig_answer = FetchTable._on_answer
 
         def on_answer(self, f, status, g, detail, now, *args, **kw):
             if status is Status.OK and g is not None and not stopped:
@@ -43,7 +48,7 @@ def main(argv: list[str]) -> int:
                 _stop("ack")
             return orig_answer(self, f, status, g, detail, now, *args, **kw)  # ``now``: pre-stop
 
-        ConsumerSession._on_answer = on_answer
+        FetchTable._on_answer = on_answer
     else:
         cls = load_plane(plane)
         orig_start = cls.start
@@ -64,12 +69,17 @@ def main(argv: list[str]) -> int:
     else:
         security = Security(insecure=True)
     # inline_max_bytes=0: the entry is granted and READ (ECTP v2 would send it inline)
-    node = ConsumerNode(layout=Layout(hidden=256, dtype="bfloat16"), region_bytes=4 << 20,
-                        security=security, planes=(plane,), inline_max_bytes=0)
+    node = ConsumerNode(
+        layout=Layout(hidden=256, dtype="bfloat16"),
+        security=security,
+        settings=ConsumerSettings(region_bytes=4 << 20, inline_max_bytes=0),
+        node=NodeSettings(planes=(plane,)),
+    )
     try:
         out = node.fetch(ProducerAddress(host, int(port), server_key), mm_hash, timeout_s=30.0)
         if out.ok:
-            res = {"ok": True, "sha256": hashlib.sha256(out.data.tobytes()).hexdigest()}
+            res = {"ok": True, "sha256": hashlib.sha256(out.data.tobytes()).hexdigest(),
+                   "timings": out.timings}
         else:
             res = {"ok": False, "reason": out.reason.value, "detail": out.detail}
         print(json.dumps(res), flush=True)

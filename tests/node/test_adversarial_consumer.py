@@ -34,6 +34,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
+from ectransport.settings_schema import NodeSettings, ProducerSettings
 from tests.conftest import KeyPair, new_keypair, readable, wait_for
 from tests.node._ectp_raw import RawClient
 
@@ -152,11 +153,21 @@ def _scene(closing, adv: Adversary, *, lease_s: float = 30.0, also_allow: tuple[
            ) -> Scene:
     keys = new_keypair()
     allowed = {adv.public_key, *also_allow}
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=REGION_BLOCKS * BB, lease_s=lease_s,
-                             grace_s=GRACE_S, planes=(adv.plane,),
-                             budget_bytes=REGION_BLOCKS * BB,
-                             security=Security(public_key=keys.public, secret_key=keys.secret,
-                                               allow=lambda key: key in allowed)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=keys.public, secret_key=keys.secret, allow=lambda key: key in allowed
+            ),
+            settings=ProducerSettings(
+                region_bytes=REGION_BLOCKS * BB,
+                lease_s=lease_s,
+                grace_s=GRACE_S,
+                budget_bytes=REGION_BLOCKS * BB,
+            ),
+            node=NodeSettings(planes=(adv.plane,)),
+        )
+    )
     a, b, c = _pattern(1), _pattern(2), _pattern(3)
     assert p.put("entry-a", a) and p.put("entry-b", b)
     p.start()

@@ -25,7 +25,7 @@ from ectransport.node import (
     ProducerNode,
     Security,
 )
-from ectransport.node.driver import load_planes
+from ectransport.node.driver import Parts, load_planes
 from ectransport.node.inbox import ReleaseFetched, Snapshot, StartFetch
 from ectransport.node.producer_driver import SWEEP_S
 from ectransport.protocol import (
@@ -40,8 +40,9 @@ from ectransport.protocol import (
     encode,
 )
 from ectransport.session import ConsumerConfig
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 from ectransport.store import BlockStore, HostRegion
-from tests.conftest import wait_for
+from tests.conftest import sections, wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 BB = LAYOUT.block_bytes
@@ -56,9 +57,14 @@ def _rows(seed: int, n: int = ROWS) -> np.ndarray:
 
 def _producer(closing, net: MemoryNetwork, planes=("nixl",), **kw) -> ProducerNode:
     """A ProducerNode that is never started: the test steps its driver."""
-    return closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=planes,
-                                security=Security(insecure=True),
-                                control=MemoryControlServer(net, HOST, PORT), **kw))
+    return closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlServer(net, HOST, PORT),
+            **sections(ProducerSettings(region_bytes=1 << 20), NodeSettings(planes=planes), **kw),
+        )
+    )
 
 
 @pytest.fixture
@@ -72,27 +78,24 @@ def consumer_driver():
         # inline_max_bytes=0: these entries are granted and READ (ECTP v2 would send them
         # inline); the inline path through a driver: tests/node/test_v2.py
         config = ConsumerConfig(node_id="driver-test", compat_hash=LAYOUT.compat_hash,
-                                planes=tuple(planes), inline_max_bytes=0,
+                                planes=tuple(planes), settings=ConsumerSettings(inline_max_bytes=0),
                                 localities=tuple((n, p.locality()) for n, p in loaded.items()))
-        d = ConsumerDriver(MemoryControlClient(net), loaded, region,
-                           BlockStore(region.num_blocks, BB), LAYOUT, config, own_region=True,
-                           clock=clock)
+        d = ConsumerDriver(Parts(MemoryControlClient(net), loaded, region, True),
+                           BlockStore(region.num_blocks, BB), LAYOUT, config, clock=clock)
         made.append(d)
         return d
 
     yield make
     for d in made:
-        with d.lock:
-            d.shutdown()
-        d.close_resources()
+        d.shutdown()
+        d.parts.close()
 
 
 def _drive(consumer: ConsumerDriver, producer: ProducerNode, fut: Future, timeout_s: float = 20.0):
     """One thread steps both sides until ``fut`` resolves (as a scheduler loop would)."""
     limit = time.monotonic() + timeout_s
     while not fut.done() and time.monotonic() < limit:
-        with consumer.lock:
-            consumer.step()
+        consumer.step()
         producer.driver.step()
     return fut.result(timeout=0)
 
@@ -109,12 +112,11 @@ def test_one_thread_steps_both_drivers_through_a_fetch(closing, consumer_driver,
     out = _drive(d, p, fut)
     assert isinstance(out, Fetched), out
     assert out.plane == plane and np.array_equal(out.data, a.reshape(-1))
-    with d.lock:
-        assert d.gauges()["free_blocks"] < d.store.num_blocks  # held by the zero-copy result
+    assert d.gauges()["free_blocks"] < d.store.num_blocks  # held by the zero-copy result
     del out, fut
-    with d.lock:
-        d.step()  # the finalizer returned the blocks at once (nobody held the lock)
-        assert d.gauges()["free_blocks"] == d.store.num_blocks
+    assert len(d.inbox) == 1  # the finalizer only queued the release ...
+    d.step()  # ... which the driving thread performs at its next step
+    assert d.gauges()["free_blocks"] == d.store.num_blocks
     # the producer learns of completion from the consumer's XferDone at its next step
     limit = time.monotonic() + 20.0
     while p.stats()["completed"] < 1 and time.monotonic() < limit:
@@ -122,16 +124,16 @@ def test_one_thread_steps_both_drivers_through_a_fetch(closing, consumer_driver,
     assert p.stats()["completed"] == 1 and p.stats()["pinned_bytes"] == 0
 
 
-def test_a_release_queued_while_someone_drives_is_taken_at_the_next_step(consumer_driver):
+def test_a_release_from_a_finalizer_is_queued_and_taken_at_the_next_step(consumer_driver):
     d = consumer_driver(MemoryNetwork())
     e = d.store.alloc("landed#1", 3 * BB)
     d.store.mark_ready("landed#1")
     d.store.pin_if_ready("landed#1")
-    with d.lock:  # someone drives: the finalizer must not block, it queues
-        d.release_later("landed#1", e.entry_id)
-        assert d.inbox == type(d.inbox)([ReleaseFetched("landed#1", e.entry_id)])
-        d.step(now=0.0)
-        assert "landed#1" not in d.store and not d.inbox
+    d.release_later("landed#1", e.entry_id)  # any thread: it never touches the store
+    assert d.inbox == type(d.inbox)([ReleaseFetched("landed#1", e.entry_id)])
+    assert "landed#1" in d.store
+    d.step(now=0.0)
+    assert "landed#1" not in d.store and not d.inbox
 
 
 def test_an_unanswered_fetch_misses_exactly_at_its_deadline_on_the_drivers_clock(consumer_driver):
@@ -141,14 +143,13 @@ def test_an_unanswered_fetch_misses_exactly_at_its_deadline_on_the_drivers_clock
     d = consumer_driver(MemoryNetwork(), clock=lambda: now[0])
     fut: Future = Future()
     d.post(StartFetch(ADDR, "a", 103.0, fut))
-    with d.lock:
-        for t in (100.0, 101.0, 102.9):
-            now[0] = t
-            d.step(now=t)
-            assert not fut.done()
-            assert d.gauges()["in_flight"] == 1
-        now[0] = 103.0
-        d.step(now=103.0)
+    for t in (100.0, 101.0, 102.9):
+        now[0] = t
+        d.step(now=t)
+        assert not fut.done()
+        assert d.gauges()["in_flight"] == 1
+    now[0] = 103.0
+    d.step(now=103.0)
     out = fut.result(timeout=0)
     assert isinstance(out, Miss) and out.reason is MissReason.TIMEOUT, out
 
@@ -157,8 +158,7 @@ def test_snapshot_is_answered_by_the_driving_thread(consumer_driver):
     d = consumer_driver(MemoryNetwork())
     fut: Future = Future()
     d.post(Snapshot(fut))
-    with d.lock:
-        d.step(now=0.0)
+    d.step(now=0.0)
     assert fut.result(timeout=0) == {"producers": 0, "in_flight": 0, "quarantined_peers": 0,
                                      "quarantined_transfers": 0,
                                      "free_blocks": d.store.num_blocks, "offer_reads": 0,
@@ -173,8 +173,15 @@ def test_best_common_plane_is_chosen(closing, producer_planes, consumer_planes, 
     pytest.importorskip("ucxx") if "ucx" in consumer_planes else None
     net = MemoryNetwork()
     p = _producer(closing, net, planes=producer_planes).start()
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=4 * ROWS * BB, planes=consumer_planes,
-                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlClient(net),
+            settings=ConsumerSettings(region_bytes=4 * ROWS * BB),
+            node=NodeSettings(planes=consumer_planes),
+        )
+    )
     rows = _rows(5, 37)
     assert p.put("m", rows)
     assert c.connect(ADDR, timeout_s=20.0) == chosen
@@ -189,9 +196,15 @@ def test_connect_names_the_refusal_by_type(closing, case, want):
     Welcome's compatibility hash differs from ours), whatever the detail text says."""
     net = MemoryNetwork()
     p = _producer(closing, net, planes=("nixl",)).start()
-    c = closing(ConsumerNode(layout=Layout(hidden=512) if case == "layout" else LAYOUT,
-                             region_bytes=4 << 20, planes=("tcp",) if case == "planes" else ("nixl",),
-                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    c = closing(
+        ConsumerNode(
+            layout=Layout(hidden=512) if case == "layout" else LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlClient(net),
+            settings=ConsumerSettings(region_bytes=4 << 20),
+            node=NodeSettings(planes=("tcp",) if case == "planes" else ("nixl",)),
+        )
+    )
     with pytest.raises(want) as err:
         c.connect(ADDR, timeout_s=20.0)
     assert type(err.value) is want
@@ -206,8 +219,15 @@ def test_stats_is_one_consistent_copy_while_fetches_run(closing):
     p = _producer(closing, net, planes=("tcp",)).start()
     for i in range(4):
         assert p.put(f"e{i}", _rows(i, 4))
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=64 * ROWS * BB, planes=("tcp",),
-                             security=Security(insecure=True), control=MemoryControlClient(net)))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlClient(net),
+            settings=ConsumerSettings(region_bytes=64 * ROWS * BB),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    )
     stop, seen, errors = threading.Event(), [], []
 
     def watch():
@@ -306,20 +326,44 @@ def test_renewals_keep_a_grant_then_it_expires_one_lease_after_the_last(closing)
     assert p.lookup("a").pins == 0  # ... and then they are free
 
 
-def test_a_caller_may_step_a_running_node_itself(closing):
-    """ConsumerNode.step(): a scheduler's thread drives a round when nobody else does; outcomes
-    are the same whoever drives."""
+def test_only_the_io_thread_drives_a_node_whoever_fetches(closing, monkeypatch):
+    """The ownership rule: callers on any thread hand their work over; every step of the driver
+    (sockets, planes, sessions, store) runs on the node's I/O thread, and a queued fetch posted
+    after the node closed misses at once instead of waiting for its deadline."""
     net = MemoryNetwork()
     p = _producer(closing, net, planes=("tcp",)).start()
-    a = _rows(9)
-    assert p.put("a", a)
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=4 * ROWS * BB, planes=("tcp",),
-                             security=Security(insecure=True), control=MemoryControlClient(net)))
-    fut = c.submit(ADDR, "a", timeout_s=20.0)
-    limit = time.monotonic() + 20.0
-    while not fut.done() and time.monotonic() < limit:
-        c.step()  # False while the I/O thread holds the lock: then it drives
-    out = fut.result(timeout=0)
-    assert isinstance(out, Fetched) and np.array_equal(out.data, a.reshape(-1)), out
+    rows = {f"e{i}": _rows(i, 2) for i in range(6)}
+    for k, v in rows.items():
+        assert p.put(k, v)
+    steppers: set[str] = set()
+    orig = ConsumerDriver.step
+
+    def step(self, *a, **kw):
+        steppers.add(threading.current_thread().name)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(ConsumerDriver, "step", step)
+    c = closing(ConsumerNode(layout=LAYOUT, security=Security(insecure=True),
+                             control=MemoryControlClient(net),
+                             settings=ConsumerSettings(region_bytes=4 * ROWS * BB),
+                             node=NodeSettings(planes=("tcp",), node_id="owner")))
+    outs: dict[str, object] = {}
+
+    def caller(keys):
+        for k in keys:
+            outs[k] = c.fetch(ADDR, k, timeout_s=20.0)
+            c.stats()
+
+    threads = [threading.Thread(target=caller, args=(ks,), name=f"caller-{i}")
+               for i, ks in enumerate((["e0", "e1", "e2"], ["e3", "e4", "e5"]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30.0)
+    for k, v in rows.items():
+        out = outs[k]
+        assert isinstance(out, Fetched) and np.array_equal(out.data, v.reshape(-1)), (k, out)
+    assert steppers == {"ect-owner"}, steppers
     c.close()
-    assert c.step() is False  # nothing drives a closed node
+    late = c.fetch(ADDR, "e0", timeout_s=60.0)
+    assert isinstance(late, Miss) and late.detail == "consumer closed", late

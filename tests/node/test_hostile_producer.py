@@ -43,7 +43,8 @@ from ectransport.node import (
     ProducerNode,
     Security,
 )
-from tests.conftest import new_keypair, readable, wait_for, wait_free
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
+from tests.conftest import new_keypair, readable, sections, wait_for, wait_free
 from tests.node._hostile_producer import hostile_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,10 +183,12 @@ def allowed() -> set[str]:
 @pytest.fixture(scope="module")
 def honest(allowed):
     kp = new_keypair()
-    node = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("nixl", "tcp"),
-                        node_id="honest", security=Security(public_key=kp.public,
-                                                            secret_key=kp.secret,
-                                                            allow=lambda k: k in allowed))
+    node = ProducerNode(
+        layout=LAYOUT,
+        security=Security(public_key=kp.public, secret_key=kp.secret, allow=lambda k: k in allowed),
+        settings=ProducerSettings(region_bytes=1 << 20),
+        node=NodeSettings(planes=("nixl", "tcp"), node_id="honest"),
+    )
     try:
         for name in HONEST_ITEMS:
             assert node.put(name, honest_rows(name))
@@ -240,10 +243,17 @@ def consumer_for(allowed, closing):
     def make(plane: str, **options) -> ConsumerNode:
         kp = new_keypair()
         allowed.add(kp.public)
-        return closing(ConsumerNode(layout=LAYOUT, region_bytes=2 << 20, planes=(plane,),
-                                    node_id=f"consumer-{uuid.uuid4().hex[:6]}",
-                                    security=Security(public_key=kp.public, secret_key=kp.secret),
-                                    **options))
+        return closing(
+            ConsumerNode(
+                layout=LAYOUT,
+                security=Security(public_key=kp.public, secret_key=kp.secret),
+                **sections(
+                    ConsumerSettings(region_bytes=2 << 20),
+                    NodeSettings(planes=(plane,), node_id=f"consumer-{uuid.uuid4().hex[:6]}"),
+                    **options,
+                ),
+            )
+        )
 
     return make
 

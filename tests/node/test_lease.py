@@ -12,6 +12,7 @@ import pytest
 
 from ectransport.node import ConsumerNode, Fetched, Layout, ProducerAddress, ProducerNode, Security
 from ectransport.protocol import Nack, Status, XferAck, XferReq, encode
+from ectransport.settings_schema import ConsumerSettings, ProducerSettings
 from tests.conftest import DEADLINE_S, wait_for
 from tests.node._ectp_raw import RawClient
 
@@ -27,9 +28,15 @@ GRACE_S = 0.5
 
 
 def _producer(closing, lease_s: float) -> ProducerNode:
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=lease_s,
-                             grace_s=GRACE_S, security=Security(insecure=True),
-                             inline_max_bytes=0))  # leases: every fetch takes a grant
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ProducerSettings(
+                region_bytes=1 << 20, lease_s=lease_s, grace_s=GRACE_S, inline_max_bytes=0
+            ),
+        )
+    )  # leases: every fetch takes a grant
     assert p.put(MM, DATA)
     return p.start()
 
@@ -50,7 +57,13 @@ def _pins(p: ProducerNode) -> int:
 
 
 def _real_fetch_ok(p: ProducerNode, closing) -> None:
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=Security(insecure=True)))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ConsumerSettings(region_bytes=1 << 20),
+        )
+    )
     out = c.fetch(ProducerAddress("127.0.0.1", p.port), MM, timeout_s=10.0)
     assert isinstance(out, Fetched), out
     assert np.array_equal(out.data, DATA.reshape(-1))

@@ -12,6 +12,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import ConsumerNode, Fetched, Layout, ProducerAddress, ProducerNode, Security
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")
 PLANES = [p for p in ("ucx", "tcp", "nixl") if try_load(p) is not None]
@@ -37,13 +38,25 @@ def high_descriptors():
 
 @pytest.mark.parametrize("plane", PLANES)
 def test_fetch_with_descriptors_above_fd_setsize(closing, high_descriptors, plane):
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=(plane,),
-                             security=Security(insecure=True)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ProducerSettings(region_bytes=1 << 20),
+            node=NodeSettings(planes=(plane,)),
+        )
+    )
     rows = np.random.default_rng(3).integers(0, 256, (8, LAYOUT.block_bytes), dtype=np.uint8)
     assert p.put("m", rows)
     p.start()
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, planes=(plane,),
-                             security=Security(insecure=True)))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ConsumerSettings(region_bytes=1 << 20),
+            node=NodeSettings(planes=(plane,)),
+        )
+    )
     out = c.fetch(ProducerAddress("127.0.0.1", p.port), "m", timeout_s=15)
     assert isinstance(out, Fetched), out
     assert np.array_equal(out.data, rows.reshape(-1))

@@ -18,7 +18,8 @@ from ectransport.node import (
     ProducerNode,
     Security,
 )
-from tests.conftest import wait_for
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
+from tests.conftest import sections, wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")
 ROWS = 16
@@ -32,13 +33,30 @@ def _rows(seed: int) -> np.ndarray:
 def _pair(closing, plane: str, **producer_kw):
     net = MemoryNetwork()
     producer_kw.setdefault("inline_max_bytes", 0)  # grants and leases: never inline (ECTP v2)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=ROWS * LAYOUT.block_bytes,
-                             planes=(plane,), security=Security(insecure=True),
-                             budget_bytes=ROWS * LAYOUT.block_bytes,
-                             control=MemoryControlServer(net, "127.0.0.1", 5601), **producer_kw))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlServer(net, "127.0.0.1", 5601),
+            **sections(
+                ProducerSettings(
+                    region_bytes=ROWS * LAYOUT.block_bytes, budget_bytes=ROWS * LAYOUT.block_bytes
+                ),
+                NodeSettings(planes=(plane,)),
+                **producer_kw,
+            ),
+        )
+    )
     client = MemoryControlClient(net)
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=4 * ROWS * LAYOUT.block_bytes,
-                             planes=(plane,), security=Security(insecure=True), control=client))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=client,
+            settings=ConsumerSettings(region_bytes=4 * ROWS * LAYOUT.block_bytes),
+            node=NodeSettings(planes=(plane,)),
+        )
+    )
     return p, c, client, ProducerAddress("127.0.0.1", 5601)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from ectransport.errors import NoCommonPlane
 from ectransport.node import ConsumerNode, Layout, ProducerAddress, ProducerNode, Security
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 from tests.conftest import new_keypair
 
 LAYOUT = Layout(model_id="negotiation-test", hidden=64)
@@ -17,13 +18,24 @@ LAYOUT = Layout(model_id="negotiation-test", hidden=64)
 
 def _nodes(closing, producer_planes, consumer_planes):
     pk, ck = new_keypair(), new_keypair()
-    producer = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=4 << 20, planes=producer_planes,
-        security=Security(public_key=pk.public, secret_key=pk.secret,
-                          allow=lambda key: key == ck.public)).start())
-    consumer = closing(ConsumerNode(
-        layout=LAYOUT, region_bytes=4 << 20, planes=consumer_planes,
-        security=Security(public_key=ck.public, secret_key=ck.secret)))
+    producer = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=pk.public, secret_key=pk.secret, allow=lambda key: key == ck.public
+            ),
+            settings=ProducerSettings(region_bytes=4 << 20),
+            node=NodeSettings(planes=producer_planes),
+        ).start()
+    )
+    consumer = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(public_key=ck.public, secret_key=ck.secret),
+            settings=ConsumerSettings(region_bytes=4 << 20),
+            node=NodeSettings(planes=consumer_planes),
+        )
+    )
     return producer, consumer, ProducerAddress("127.0.0.1", producer.port, pk.public)
 
 
@@ -56,11 +68,18 @@ def test_wildcard_bind_with_hosted_planes_needs_an_advertised_address():
     from ectransport.errors import ConfigError
 
     with pytest.raises(ConfigError, match="advertise_host"):
-        ProducerNode(layout=LAYOUT, region_bytes=1 << 20, host="0.0.0.0", planes=("tcp",),
-                     security=Security(insecure=True))
-    node = ProducerNode(layout=LAYOUT, region_bytes=1 << 20, host="0.0.0.0",
-                        planes=("tcp", "nixl"), advertise_host="127.0.0.1",
-                        security=Security(insecure=True))
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ProducerSettings(region_bytes=1 << 20, host="0.0.0.0"),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    node = ProducerNode(
+        layout=LAYOUT,
+        security=Security(insecure=True),
+        settings=ProducerSettings(region_bytes=1 << 20, host="0.0.0.0", advertise_host="127.0.0.1"),
+        node=NodeSettings(planes=("tcp", "nixl")),
+    )
     try:
         assert node.plane_transports()["tcp"].startswith("tcp 127.0.0.1:")  # what grants name
     finally:

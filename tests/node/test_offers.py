@@ -20,7 +20,8 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Ticket
-from tests.conftest import new_keypair, wait_for
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
+from tests.conftest import new_keypair, sections, wait_for
 
 pytest.importorskip("nixl")
 
@@ -37,18 +38,32 @@ def cluster(closing):
     """A NIXL producer (holds on) and a factory of NIXL consumers it allows."""
     pk = new_keypair()
     allowed: set[str] = set()
-    producer = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=32 << 20, planes=("nixl",), node_id="offers-p",
-        inline_max_bytes=0, security=Security(public_key=pk.public, secret_key=pk.secret,
-                                              allow=lambda key: key in allowed)).start())
+    producer = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=pk.public, secret_key=pk.secret, allow=lambda key: key in allowed
+            ),
+            settings=ProducerSettings(region_bytes=32 << 20, inline_max_bytes=0),
+            node=NodeSettings(planes=("nixl",), node_id="offers-p"),
+        ).start()
+    )
     addr = ProducerAddress("127.0.0.1", producer.port, pk.public)
 
     def consumer(**kw) -> ConsumerNode:
         ck = new_keypair()
         allowed.add(ck.public)
-        return closing(ConsumerNode(layout=LAYOUT, region_bytes=16 << 20, planes=("nixl",),
-                                    inline_max_bytes=0, security=Security(
-                                        public_key=ck.public, secret_key=ck.secret), **kw))
+        return closing(
+            ConsumerNode(
+                layout=LAYOUT,
+                security=Security(public_key=ck.public, secret_key=ck.secret),
+                **sections(
+                    ConsumerSettings(region_bytes=16 << 20, inline_max_bytes=0),
+                    NodeSettings(planes=("nixl",)),
+                    **kw,
+                ),
+            )
+        )
 
     return producer, addr, consumer
 

@@ -30,6 +30,7 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Status
+from ectransport.settings_schema import ConsumerSettings, ProducerSettings
 from tests.conftest import new_keypair, readable, wait_for
 from tests.node._ectp_raw import RawClient
 
@@ -44,8 +45,13 @@ DOWN_DEADLINE_S = 10.0
 
 
 def _producer(closing, security: Security) -> ProducerNode:
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=LEASE_S,
-                             security=security))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=security,
+            settings=ProducerSettings(region_bytes=1 << 20, lease_s=LEASE_S),
+        )
+    )
     assert p.put(MM, DATA)
     return p.start()
 
@@ -64,8 +70,13 @@ def _assert_released_by_peer_down(p: ProducerNode) -> None:
 
 def _assert_serves(p: ProducerNode, closing, security: Security) -> None:
     # inline_max_bytes=0: granted and completed, never inline (ECTP v2) — the counters below
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=security,
-                             inline_max_bytes=0))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=security,
+            settings=ConsumerSettings(region_bytes=1 << 20, inline_max_bytes=0),
+        )
+    )
     held_back = p.stats()["pinned_bytes"]  # the departed consumer's grace pin, if any
     out = c.fetch(ProducerAddress("127.0.0.1", p.port, p.public_key), MM, timeout_s=10.0)
     assert isinstance(out, Fetched), out
@@ -186,7 +197,9 @@ def test_consumer_recovers_after_producer_restart_on_same_port(closing):
     sec = Security(insecure=True)
     p1 = _producer(closing, sec)
     port = p1.port
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=1 << 20, security=sec))
+    c = closing(
+        ConsumerNode(layout=LAYOUT, security=sec, settings=ConsumerSettings(region_bytes=1 << 20))
+    )
     addr = ProducerAddress("127.0.0.1", port)
     out = c.fetch(addr, MM, timeout_s=10.0)
     assert isinstance(out, Fetched) and np.array_equal(out.data, DATA.reshape(-1)), out
@@ -194,8 +207,13 @@ def test_consumer_recovers_after_producer_restart_on_same_port(closing):
     p1.close()
 
     new_data = DATA[::-1].copy()
-    p2 = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, lease_s=LEASE_S, port=port,
-                              security=sec))
+    p2 = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=sec,
+            settings=ProducerSettings(region_bytes=1 << 20, lease_s=LEASE_S, port=port),
+        )
+    )
     assert p2.put(MM, new_data)
     p2.start()
     outs: list = []

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from ectransport.node import ConsumerNode, Layout, MissReason, ProducerAddress, Security
-from tests.conftest import readable, wait_for
+from ectransport.settings_schema import ConsumerSettings
+from tests.conftest import readable, sections, wait_for
 
 from ._producer_proc import make_rows
 
@@ -70,8 +71,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _consumer(**kw) -> ConsumerNode:
-    return ConsumerNode(layout=LAYOUT, region_bytes=8 << 20, security=Security(insecure=True),
-                        ack_timeout_s=1.0, read_timeout_s=2.0, **kw)
+    return ConsumerNode(
+        layout=LAYOUT,
+        security=Security(insecure=True),
+        **sections(
+            ConsumerSettings(region_bytes=8 << 20, ack_timeout_s=1.0, read_timeout_s=2.0), **kw
+        ),
+    )
 
 
 @pytest.fixture

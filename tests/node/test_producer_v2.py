@@ -32,7 +32,8 @@ from ectransport.protocol import (
     decode,
     encode,
 )
-from tests.conftest import new_keypair, wait_for
+from ectransport.settings_schema import NodeSettings, ProducerSettings
+from tests.conftest import new_keypair, sections, wait_for
 from tests.node._ectp_raw import RawClient
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -100,9 +101,18 @@ class MemoryRaw:
 def mem(closing):
     def make(versions=V, client_versions=V, **kw):
         net = MemoryNetwork()
-        p = closing(ProducerNode(layout=LAYOUT, region_bytes=64 * ROW, planes=("tcp",),
-                                 security=Security(insecure=True), versions=versions,
-                                 control=MemoryControlServer(net, "127.0.0.1", 5601), **kw))
+        p = closing(
+            ProducerNode(
+                layout=LAYOUT,
+                security=Security(insecure=True),
+                control=MemoryControlServer(net, "127.0.0.1", 5601),
+                **sections(
+                    ProducerSettings(region_bytes=64 * ROW),
+                    NodeSettings(planes=("tcp",), versions=versions),
+                    **kw,
+                ),
+            )
+        )
         p.start()
         return p, closing(MemoryRaw(net, 5601, client_versions))
 
@@ -218,10 +228,16 @@ def test_duplicate_items_and_a_reused_batch_id_are_refused(mem):
 # -- real ZeroMQ + CURVE ----------------------------------------------------------------------------
 def test_v2_over_zmq_and_curve(closing):
     kp_p, kp_c = new_keypair(), new_keypair()
-    p = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=64 * ROW, planes=("tcp",), inline_max_bytes=4 * ROW,
-        security=Security(public_key=kp_p.public, secret_key=kp_p.secret,
-                          allow=lambda k: k == kp_c.public)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=kp_p.public, secret_key=kp_p.secret, allow=lambda k: k == kp_c.public
+            ),
+            settings=ProducerSettings(region_bytes=64 * ROW, inline_max_bytes=4 * ROW),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    )
     small, big = _rows(1, 7), _rows(6, 8)
     assert p.put("small", small) and p.put("big", big)
     e = p.reserve("late", ROW)

@@ -14,15 +14,22 @@ import numpy as np
 
 from ectransport.control.memory import MemoryControlServer, MemoryNetwork
 from ectransport.node import Layout, ProducerNode, Security
+from ectransport.settings_schema import NodeSettings, ProducerSettings
 from tests.conftest import DEADLINE_S
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
 
 
 def test_put_copies_outside_the_node_lock(closing, monkeypatch):
-    node = closing(ProducerNode(layout=LAYOUT, region_bytes=1 << 20, planes=("tcp",),
-                                security=Security(insecure=True),
-                                control=MemoryControlServer(MemoryNetwork())))
+    node = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlServer(MemoryNetwork()),
+            settings=ProducerSettings(region_bytes=1 << 20),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    )
     seen = []
     write = node.region.write
 
@@ -52,8 +59,12 @@ def test_pin_local_keeps_an_entry_from_eviction_until_unpinned():
     """A local reader (vLLM's worker loading from the region) pins through the public API."""
     layout = Layout(hidden=256, dtype="bfloat16")
     rows = np.zeros((8, layout.block_bytes), dtype=np.uint8)
-    p = ProducerNode(layout=layout, region_bytes=8 * layout.block_bytes,
-                     security=Security(insecure=True), control=MemoryControlServer(MemoryNetwork()))
+    p = ProducerNode(
+        layout=layout,
+        security=Security(insecure=True),
+        control=MemoryControlServer(MemoryNetwork()),
+        settings=ProducerSettings(region_bytes=8 * layout.block_bytes),
+    )
     try:
         assert p.pin_local("nope") is None
         assert p.put("a", rows)

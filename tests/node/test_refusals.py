@@ -21,7 +21,8 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import Status
-from tests.conftest import new_keypair, wait_for, wait_free
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
+from tests.conftest import new_keypair, sections, wait_for, wait_free
 from tests.node._ectp_raw import RawClient
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -38,10 +39,18 @@ def keys():
 @pytest.fixture
 def producer(keys, closing):
     allowed = {keys["consumer"].public}
-    p = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=1 << 20, lease_s=30.0, versions=(1,),  # a v1-only node
-        security=Security(public_key=keys["producer"].public, secret_key=keys["producer"].secret,
-                          allow=lambda k: k in allowed)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=keys["producer"].public,
+                secret_key=keys["producer"].secret,
+                allow=lambda k: k in allowed,
+            ),
+            settings=ProducerSettings(region_bytes=1 << 20, lease_s=30.0),
+            node=NodeSettings(versions=(1,)),
+        )
+    )
     assert p.put(MM, DATA)
     return p.start()
 
@@ -53,7 +62,10 @@ def _addr(p: ProducerNode, key: str | None = None) -> ProducerAddress:
 def _consumer(closing, kp=None, *, layout=LAYOUT, **kw) -> ConsumerNode:
     sec = Security(insecure=True) if kp is None else Security(public_key=kp.public,
                                                               secret_key=kp.secret)
-    return closing(ConsumerNode(layout=layout, region_bytes=1 << 20, security=sec, **kw))
+    return closing(
+        ConsumerNode(
+            layout=layout, security=sec, **sections(ConsumerSettings(region_bytes=1 << 20), **kw))
+    )
 
 
 def _assert_no_pin(p: ProducerNode) -> None:
@@ -207,11 +219,22 @@ def budget_producer(keys, closing):
     """A producer whose per-consumer budget is exactly one entry (never inline: an inline answer
     pins nothing and is not charged to the budget)."""
     allowed = {keys["consumer"].public}
-    p = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=1 << 20, lease_s=30.0, budget_bytes=ROWS * LAYOUT.block_bytes,
-        inline_max_bytes=0,
-        security=Security(public_key=keys["producer"].public, secret_key=keys["producer"].secret,
-                          allow=lambda k: k in allowed)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=keys["producer"].public,
+                secret_key=keys["producer"].secret,
+                allow=lambda k: k in allowed,
+            ),
+            settings=ProducerSettings(
+                region_bytes=1 << 20,
+                lease_s=30.0,
+                budget_bytes=ROWS * LAYOUT.block_bytes,
+                inline_max_bytes=0,
+            ),
+        )
+    )
     assert p.put(MM, DATA) and p.put(MM2, DATA2)
     return p.start()
 
@@ -263,9 +286,15 @@ def test_busy_is_retried_until_the_budget_frees(budget_producer, keys, closing):
 
 def test_no_local_space_is_no_space_and_releases_the_producer_pin(producer, keys, closing):
     assert producer.put(MM2, DATA2)
-    c = closing(ConsumerNode(layout=LAYOUT, region_bytes=ROWS * LAYOUT.block_bytes,
-                             security=Security(public_key=keys["consumer"].public,
-                                               secret_key=keys["consumer"].secret)))
+    c = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=keys["consumer"].public, secret_key=keys["consumer"].secret
+            ),
+            settings=ConsumerSettings(region_bytes=ROWS * LAYOUT.block_bytes),
+        )
+    )
     held = c.fetch(_addr(producer), MM, timeout_s=10.0)
     assert isinstance(held, Fetched), held
     assert c.store.free_blocks == 0

@@ -22,6 +22,7 @@ import pytest
 
 from ectransport.data.registry import try_load
 from ectransport.node import Layout, ProducerNode, Security
+from ectransport.settings_schema import NodeSettings, ProducerSettings
 from tests.conftest import readable, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +50,19 @@ def _line(proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
 @pytest.mark.parametrize("plane", PLANES)
 def test_stopped_consumer_never_gets_another_entrys_bytes(closing, plane, stop_at):
     a, b = _rows(1), _rows(2)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=ROWS * LAYOUT.block_bytes,
-                             lease_s=LEASE_S, grace_s=GRACE_S, planes=(plane,),
-                             budget_bytes=ROWS * LAYOUT.block_bytes,
-                             security=Security(insecure=True)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ProducerSettings(
+                region_bytes=ROWS * LAYOUT.block_bytes,
+                lease_s=LEASE_S,
+                grace_s=GRACE_S,
+                budget_bytes=ROWS * LAYOUT.block_bytes,
+            ),
+            node=NodeSettings(planes=(plane,)),
+        )
+    )
     assert p.put("entry-a", a)
     p.start()
     blocks_a = p.lookup("entry-a").runs

@@ -29,6 +29,7 @@ from ectransport.node import (  # noqa: E402
     ProducerAddress,
     Security,
 )
+from ectransport.settings_schema import ConsumerSettings, NodeSettings
 from tests.conftest import readable, wait_for, wait_free  # noqa: E402
 from tests.node._producer_proc import make_rows, make_tensor  # noqa: E402
 
@@ -119,9 +120,12 @@ def producer(keys) -> ProducerProc:
 
 @pytest.fixture
 def consumer(keys):
-    node = ConsumerNode(layout=LAYOUT, region_bytes=CONSUMER_REGION,
-                        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")),
-                        node_id=f"consumer-test-{os.getpid()}")
+    node = ConsumerNode(
+        layout=LAYOUT,
+        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")),
+        settings=ConsumerSettings(region_bytes=CONSUMER_REGION),
+        node=NodeSettings(node_id=f"consumer-test-{os.getpid()}"),
+    )
     try:
         yield node
     finally:
@@ -205,8 +209,11 @@ def test_concurrent_fetches_of_all_sizes(producer, consumer):
 
 def test_fetched_outlives_closed_consumer(producer, keys):
     """A held Fetched stays readable after its ConsumerNode is closed and dropped."""
-    node = ConsumerNode(layout=LAYOUT, region_bytes=CONSUMER_REGION,
-                        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")))
+    node = ConsumerNode(
+        layout=LAYOUT,
+        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")),
+        settings=ConsumerSettings(region_bytes=CONSUMER_REGION),
+    )
     try:
         out = node.fetch(producer.address(), "qwen2vl-image", timeout_s=15.0)
     finally:
@@ -222,8 +229,11 @@ def test_fetched_outlives_closed_consumer(producer, keys):
 def test_stranger_key_is_refused_by_the_child(producer, keys):
     """A consumer whose key is not in the child's allow-dir gets Miss(AUTH); no grant is made."""
     before = producer.stats()
-    node = ConsumerNode(layout=LAYOUT, region_bytes=1 << 20,
-                        security=Security.from_files(str(keys / "keys" / "stranger.key_secret")))
+    node = ConsumerNode(
+        layout=LAYOUT,
+        security=Security.from_files(str(keys / "keys" / "stranger.key_secret")),
+        settings=ConsumerSettings(region_bytes=1 << 20),
+    )
     try:
         out = node.fetch(producer.address(), "one-row", timeout_s=10.0)
     finally:
@@ -237,8 +247,11 @@ def test_stranger_key_is_refused_by_the_child(producer, keys):
 def test_scattered_landing_blocks_are_read_exactly(producer, keys):
     """A fragmented consumer region lands one entry in two runs (1 + 1227 rows): NIXL reads both
     and the result (one copy, contiguous) still matches exactly; the blocks return at once."""
-    node = ConsumerNode(layout=LAYOUT, region_bytes=1328 * ROW_BYTES,
-                        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")))
+    node = ConsumerNode(
+        layout=LAYOUT,
+        security=Security.from_files(str(keys / "keys" / "consumer.key_secret")),
+        settings=ConsumerSettings(region_bytes=1328 * ROW_BYTES),
+    )
     try:
         first = node.fetch(producer.address(), "one-row", timeout_s=15.0)
         second = node.fetch(producer.address(), "hundred-rows", timeout_s=15.0)

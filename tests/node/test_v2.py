@@ -26,7 +26,8 @@ from ectransport.node import (
     Security,
 )
 from ectransport.protocol import SUPPORTED_VERSIONS
-from tests.conftest import new_keypair, wait_for, wait_free
+from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
+from tests.conftest import new_keypair, sections, wait_for, wait_free
 
 LAYOUT = Layout(model_id="v2-test", hidden=256)  # 512-byte rows
 BB = LAYOUT.block_bytes
@@ -49,13 +50,31 @@ def _nodes(closing, plane, pv, cv, **consumer_kw):
     pk, ck = new_keypair(), new_keypair()
     p_kw = {} if pv is None else {"versions": pv}
     c_kw = {} if cv is None else {"versions": cv}
-    producer = closing(ProducerNode(
-        layout=LAYOUT, region_bytes=8 << 20, planes=(plane,), node_id="v2-producer",
-        security=Security(public_key=pk.public, secret_key=pk.secret,
-                          allow=lambda key: key == ck.public), **p_kw).start())
-    consumer = closing(ConsumerNode(
-        layout=LAYOUT, region_bytes=8 << 20, planes=(plane,), node_id="v2-consumer",
-        security=Security(public_key=ck.public, secret_key=ck.secret), **c_kw, **consumer_kw))
+    producer = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=pk.public, secret_key=pk.secret, allow=lambda key: key == ck.public
+            ),
+            **sections(
+                ProducerSettings(region_bytes=8 << 20),
+                NodeSettings(planes=(plane,), node_id="v2-producer"),
+                **p_kw,
+            ),
+        ).start()
+    )
+    consumer = closing(
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(public_key=ck.public, secret_key=ck.secret),
+            **sections(
+                ConsumerSettings(region_bytes=8 << 20),
+                NodeSettings(planes=(plane,), node_id="v2-consumer"),
+                **c_kw,
+                **consumer_kw,
+            ),
+        )
+    )
     return producer, consumer, ProducerAddress("127.0.0.1", producer.port, pk.public)
 
 
@@ -116,7 +135,11 @@ def test_inline_max_bytes_is_checked():
     from ectransport.errors import ConfigError
 
     with pytest.raises(ConfigError, match="inline_max_bytes"):
-        ConsumerNode(layout=LAYOUT, security=Security(insecure=True), inline_max_bytes=2 << 20)
+        ConsumerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            settings=ConsumerSettings(inline_max_bytes=2 << 20),
+        )
 
 
 def test_driver_lands_an_inline_entry_and_a_batch_over_the_memory_pair(closing):
@@ -128,24 +151,30 @@ def test_driver_lands_an_inline_entry_and_a_batch_over_the_memory_pair(closing):
 
     from ectransport.control.memory import MemoryControlClient, MemoryControlServer, MemoryNetwork
     from ectransport.node import ConsumerDriver
-    from ectransport.node.driver import load_planes
+    from ectransport.node.driver import Parts, load_planes
     from ectransport.node.inbox import StartBatch, StartFetch
     from ectransport.session import ConsumerConfig
     from ectransport.store import BlockStore, HostRegion
 
     net = MemoryNetwork()
     addr = ProducerAddress("127.0.0.1", 5609)
-    p = closing(ProducerNode(layout=LAYOUT, region_bytes=4 << 20, planes=("tcp",),
-                             security=Security(insecure=True),
-                             control=MemoryControlServer(net, "127.0.0.1", 5609)))
+    p = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(insecure=True),
+            control=MemoryControlServer(net, "127.0.0.1", 5609),
+            settings=ProducerSettings(region_bytes=4 << 20),
+            node=NodeSettings(planes=("tcp",)),
+        )
+    )
     small, big = _rows(80, 8), {f"g{i}": _rows(81 + i, 256) for i in range(3)}  # 4, 128 KiB
     assert p.put("small", small) and all(p.put(k, v) for k, v in big.items())
     region = HostRegion(2048, BB)
     planes = load_planes(("tcp",), node_id="v2-driver", region=region, public_key=None)
     cfg = ConsumerConfig(node_id="v2-driver", compat_hash=LAYOUT.compat_hash, planes=("tcp",),
                          localities=tuple((n, x.locality()) for n, x in planes.items()))
-    d = ConsumerDriver(MemoryControlClient(net), planes, region, BlockStore(2048, BB), LAYOUT,
-                       cfg, own_region=True)
+    d = ConsumerDriver(Parts(MemoryControlClient(net), planes, region, True),
+                       BlockStore(2048, BB), LAYOUT, cfg)
     try:
         one: Future = Future()
         d.post(StartFetch(addr, "small", d.clock() + 20.0, one))
@@ -155,8 +184,7 @@ def test_driver_lands_an_inline_entry_and_a_batch_over_the_memory_pair(closing):
         limit = time.monotonic() + 20.0
         futs = [one, *(it.future for it in many.items)]
         while not all(f.done() for f in futs) and time.monotonic() < limit:
-            with d.lock:
-                d.step()
+            d.step()
             p.driver.step()
         out = one.result(timeout=0)
         assert isinstance(out, Fetched) and np.array_equal(out.data, small.reshape(-1))
@@ -167,9 +195,8 @@ def test_driver_lands_an_inline_entry_and_a_batch_over_the_memory_pair(closing):
         st = p.stats()
         assert st["grants"] == 3, st  # the small entry took no grant
     finally:
-        with d.lock:
-            d.shutdown()
-        d.close_resources()
+        d.shutdown()
+        d.parts.close()
 
 
 @needs_v2

@@ -3,8 +3,10 @@ virtualenv and its ``ectransport`` command works from there (not from the source
 
 Quick and offline: the wheel is built without build isolation (setuptools of this interpreter) from
 a copy of the sources (so a stale ``build/`` folder of the checkout cannot leak deleted modules
-into it), and the venv sees this interpreter's site-packages for the dependencies
-(``--system-site-packages``), the wheel itself installed with ``--no-deps --no-index``.
+into it), and the venv sees this interpreter's site directories for the dependencies — a ``.pth``
+written by ``scripts/link-parent-env.py``, so that it works from a system Python and from inside
+a virtualenv alike (``--system-site-packages`` would show a virtualenv's *base* interpreter's
+packages only) — the wheel itself installed with ``--no-deps --no-index``.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A clean environment (no PYTHONPATH): with the checkout on the path, pip would see its
     # egg-info as "ectransport already installed" and install nothing; --force-reinstall too.
     root = tmp_path_factory.mktemp("venv")
-    r = _run(sys.executable, "-m", "venv", "--system-site-packages", root / "v", cwd=root,
-             env=_env())
+    r = _run(sys.executable, "-m", "venv", root / "v", cwd=root, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
+    r = _run(sys.executable, REPO / "scripts" / "link-parent-env.py", root / "v", cwd=root,
+             env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     bin_dir = root / "v" / "bin"
     r = _run(bin_dir / "python", "-m", "pip", "install", "--force-reinstall", "--no-deps",
              "--no-index", "-q", wheel, cwd=root, env=_env(), timeout=300)

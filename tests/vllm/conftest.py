@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from _children import child_env
 
 for _k, _v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"),
                ("VLLM_NO_USAGE_STATS", "1")):
@@ -28,7 +29,8 @@ except ImportError:
     # Without vLLM only test_vllm_available.py (which reports the skip) and the tests of the
     # vLLM-free modules are collected.
     collect_ignore = [f for f in os.listdir(HERE) if f.startswith("test_") and
-                      f not in ("test_vllm_available.py", "test_region.py", "test_settings.py")]
+                      f not in ("test_vllm_available.py", "test_region.py", "test_settings.py",
+                                "test_announcement_schema.py", "test_loads.py")]
 
 REGION_GLOB = "/dev/shm/ectransport-vllm-*.region"
 
@@ -80,7 +82,8 @@ class ProducerProcess:
     def __init__(self, extra: dict, salt: str):
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_producer_proc.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=child_env())
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

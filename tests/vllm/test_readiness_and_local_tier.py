@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _children import child_env
 from _engine import HIDDEN, Engine, encoder_output, make_request
 from conftest import wait_for
 
@@ -176,7 +177,8 @@ def test_sigterm_removes_the_region_file_at_once(producer_extra, tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)   # default disposition after ours: the process dies
         time.sleep(30)  # never reached: the SIGTERM above ends the process (the test's subject)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=child_env())
     path = r.stdout.strip().splitlines()[-1]
     assert r.returncode == -15, r.stderr[-2000:]
     assert path.endswith(".region") and not os.path.exists(path), "region file left behind"

@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _children import child_env
 
 from ectransport.errors import ConfigError
 from ectransport.store import Run
@@ -70,7 +71,7 @@ def test_stale_file_of_a_dead_process_is_reclaimed(shm):
         SharedRegion({path!r}, 8, 128)
         os._exit(0)  # dies without cleaning up, like SIGKILL
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=child_env())
     assert os.path.exists(path)
     other = path.replace("dead-engine", "unrelated")
     with open(other, "w"):
@@ -123,7 +124,7 @@ def test_twenty_owners_starting_at_once_all_start(shm, round_):
             from ectransport.vllm.region import SharedRegion, region_path
             SharedRegion(region_path({shm!r}, "dead-{k}"), 8, 128)
             os._exit(0)
-        """)], check=True, timeout=60)
+        """)], check=True, timeout=60, env=child_env())
     ctx = mp.get_context("fork")
     go, done, ready = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_owner, args=(shm, i, go, ready, done)) for i in range(20)]

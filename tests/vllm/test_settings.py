@@ -114,13 +114,14 @@ def test_keyword_construction_and_replace_are_checked_by_the_schema():
 def test_node_arguments_come_from_the_shared_mapping():
     s = parse({**SECURE, "host": "0.0.0.0", "advertise_host": "10.0.0.5", "lease_s": 12,
                "budget_bytes": 4096, "producer_keys": "announced"}, consumer=True)
-    p = s.producer_node_kwargs()
-    assert (p["host"], p["advertise_host"], p["lease_s"], p["budget_bytes"]) == \
+    p = s.common.producer  # what ProducerNode(settings=...) takes, as `ectransport serve`
+    assert (p.host, p.advertise_host, p.lease_s, p.budget_bytes) == \
         ("0.0.0.0", "10.0.0.5", 12.0, 4096)
-    assert p["grace_s"] == schema.API.producer.grace_s
-    c = s.consumer_node_kwargs()
-    assert c["fetch_timeout_s"] == 10.0 and c["planes"] == ("nixl",)
-    assert not {"region_bytes", "node_id", "plane_options", "control_options"} & {*p, *c}
+    assert p.grace_s == schema.API.producer.grace_s
+    c = s.common.consumer
+    assert c.fetch_timeout_s == 10.0
+    n = s.node_section("ec-1")
+    assert n.planes == ("nixl",) and n.node_id == "ec-1"
 
 
 def test_a_wildcard_producer_announces_and_serves_on_advertise_host(tmp_path):

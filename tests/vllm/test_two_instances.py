@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 
@@ -282,6 +283,46 @@ def test_untrusted_producer_key_is_not_contacted(producer, consumer, tmp_path):
     fin = consume(consumer, [(h, 0, 8)], params)
     assert_local(fin, h, 8)
     assert fin.steps_deferred == 0
+    assert_healthy(consumer, producer)
+
+
+#: Each a malformed ``ec_transfer_params`` entry made from a real one, and the field it breaks.
+MALFORMED = {
+    "port-as-string": (lambda e: {**e, "peer_port": str(e["peer_port"])}, "peer_port"),
+    "size-missing": (lambda e: {k: v for k, v in e.items() if k != "size_bytes"}, "size_bytes"),
+    "host-oversized": (lambda e: {**e, "peer_host": "h" * 100_000}, "peer_host"),
+    "hold-not-an-int": (lambda e: {**e, "ect_hold": "7"}, "ect_hold"),
+    "key-wrong-type": (lambda e: {**e, "public_key": 12345}, "public_key"),
+    "shape-garbage": (lambda e: {**e, "shape": {"rows": 8}}, "shape"),
+    "entry-garbage": (lambda e: [e], ""),
+}
+
+
+def test_malformed_announcements_compute_locally_and_the_good_item_still_lands(
+        producer, consumer, caplog):
+    """A malformed entry (wrong types, a missing field, an oversized string, garbage) makes that
+    item encode locally — logged with the field it breaks, counted, nothing fetched for it —
+    while the well-formed item of the same request lands; the consumer stays healthy."""
+    good = uid("good")
+    bad = {name: uid(name) for name in MALFORMED}
+    features = [[good, 0, 16], *([h, 20 + 10 * i, 8] for i, h in enumerate(bad.values()))]
+    params, digests = produce(producer, features)
+    assert set(params) == {good, *bad.values()}
+    for name, h in bad.items():
+        params[h] = MALFORMED[name][0](params[h])
+    side = consumer.sched._scheduler.consumer
+    before = side.outcomes["local:announcement"]
+    with caplog.at_level(logging.WARNING, logger="ectransport.vllm.consumer"):
+        fin = consume(consumer, [tuple(f) for f in features], params)
+    assert fin.source[good] == "loaded" and digest(fin.embeds[good]) == digests[good]
+    for h in bad.values():
+        assert_local(fin, h, 8)
+    assert side.outcomes["local:announcement"] - before == len(bad)
+    for name, h in bad.items():
+        line = next(m for m in caplog.messages if h in m)
+        field = MALFORMED[name][1]
+        assert "announcement" in line and (f"`{field}`" if field else "the entry") in line, line
+        assert len(line) < 500, "an oversized value must not be logged"
     assert_healthy(consumer, producer)
 
 

@@ -22,6 +22,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE_DIR = os.path.join(HERE, "probe")
+#: The checkout under test, first on the engines' PYTHONPATH: a child started as a script
+#: imports the same ``ectransport`` as this process, whatever the venv has installed.
+REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, PROBE_DIR)
 
 START_TIMEOUT_S = 300.0
@@ -120,7 +123,7 @@ class EngineProcess:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", VLLM_TARGET_DEVICE="cpu",
                    ECT_ENCODER_PROBE=self.probe,
-                   PYTHONPATH=os.pathsep.join([PROBE_DIR, os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([REPO, PROBE_DIR, os.environ.get("PYTHONPATH", "")]))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_engine_proc.py"),

@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 import pytest
-from _engines import PROBE_DIR, _group_alive, ec_config
+from _engines import PROBE_DIR, REPO, _group_alive, ec_config
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ class Server:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", VLLM_TARGET_DEVICE="cpu",
                    ECT_ENCODER_PROBE=self.probe,
-                   PYTHONPATH=os.pathsep.join([PROBE_DIR, os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([REPO, PROBE_DIR, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
              "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
@@ -145,16 +145,19 @@ def test_epd_through_two_openai_servers(servers):
 
 
 PROXY = os.path.join(sys.prefix, "share", "vllm-examples", "disagg_epd_proxy.py")
+NO_PROXY = (f"vLLM's EPD proxy example is not at {PROXY}: scripts/setup-vllm-cpu-venv.sh fetches "
+            "it from the vllm 0.32.0 sdist on the package registry, which it could not reach")
 
 
-@pytest.mark.skipif(not os.path.exists(PROXY), reason=(
-    f"vLLM's EPD proxy example is not at {PROXY}: scripts/setup-vllm-cpu-venv.sh fetches it "
-    "from the vllm 0.32.0 sdist on the package registry, which it could not reach"))
+# where vLLM is required (.ci/run: ECTRANSPORT_REQUIRE_VLLM=1) a missing proxy fails the test
+@pytest.mark.skipif(not os.path.exists(PROXY) and os.environ.get("ECTRANSPORT_REQUIRE_VLLM") != "1",
+                    reason=NO_PROXY)
 def test_vllms_epd_proxy_as_orchestrator(servers, tmp_path):
     """vLLM 0.32.0's own ``disagg_epd_proxy.py`` (E+PD mode, its default rewrite: the consumer
     gets a metadata-only reference instead of the image, sized from the grid our producer
     announces alongside its transfer fields) drives our two servers; the client only talks to
     the proxy."""
+    assert os.path.exists(PROXY), NO_PROXY
     p, c = servers["P"], servers["C"]
     images = [63, 64, 65]
     base = {i: _content(c.chat(i)) for i in images}

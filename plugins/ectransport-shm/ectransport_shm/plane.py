@@ -49,7 +49,9 @@ truncate the segment under the producer (which would SIGBUS it). Every socket wa
 Same host and same network namespace only, Linux only (abstract sockets, ``SCM_RIGHTS``,
 ``/proc``).
 
-Built on ``ectransport.plugin.SocketServingPlane`` (this plugin imports nothing of ectransport but
+Plugin API 3: the plane has both halves (``ServingPlane`` for the producer, ``FetchingPlane`` for
+the consumer) in one class, a ``DataTransport``. It is built on
+``ectransport.plugin.SocketServingPlane`` (this plugin imports nothing of ectransport but
 ``ectransport.plugin``), shared with the TCP plane: the grant registry and its revoke rule (a
 revoked grant is refused from then on; a chunk copy in progress is waited out, so no byte of the
 region is read for it once ``revoke`` returns), the accept and receive threads, the connection
@@ -217,7 +219,7 @@ class ShmPlane(SocketServingPlane[ShmGrant, ShmBinding, _Chan]):
     """
 
     name = "shm"
-    plugin_api_version = PLUGIN_API_VERSION
+    plugin_api_version = PLUGIN_API_VERSION  # 3: both halves (a DataTransport)
     capabilities = Capabilities(
         transfer_model=TransferModel.PUSH,
         mem_kinds=frozenset({"DRAM"}),

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 from ectransport.data.registry import discover, load_plane
-from ectransport.plugin import PLUGIN_API_VERSION
+from ectransport.plugin import PLUGIN_API_VERSION, DataTransport, plane_halves
 
 from ectransport_shm import ShmPlane
 
@@ -23,7 +23,8 @@ def test_discovered_from_its_distribution(monkeypatch):
     assert info.dist == "ectransport-shm"
     assert info.entry_point.value == "ectransport_shm:ShmPlane"
     assert load_plane("shm") is ShmPlane
-    assert ShmPlane.plugin_api_version == PLUGIN_API_VERSION
+    assert ShmPlane.plugin_api_version == PLUGIN_API_VERSION == 3
+    assert issubclass(ShmPlane, DataTransport) and plane_halves(ShmPlane) == ("serve", "fetch")
     assert ShmPlane.probe()[0] is True
 
 

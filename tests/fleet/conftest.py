@@ -1,0 +1,256 @@
+"""A real ``redis-server`` per test (``.ci/run`` installs it), on a free loopback port, with no
+persistence; and helpers to build directories and identities against it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis")
+
+from ectransport.fleet import Directory, Identity, trust_any
+from ectransport.settings_schema import FleetSettings
+from tests.conftest import DEADLINE_S, new_keypair, wait_for
+
+REDIS_SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
+COMPAT = "c0ffee" * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` process: start, SIGSTOP/SIGCONT, SIGKILL, restart on its port."""
+
+    def __init__(self, workdir: Path, extra: tuple[str, ...] = (), tls: Path | None = None):
+        if REDIS_SERVER is None:
+            pytest.fail("redis-server is not installed (.ci/run installs it: apt-get install "
+                        "redis-server)")
+        self.workdir = workdir
+        self.extra = extra
+        self.tls = tls  # a folder with ca.pem, server.pem, server.key: serve TLS only
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://localhost:{self.port}"
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _listen_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return ["--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls / "server.pem"),
+                "--tls-key-file", str(self.tls / "server.key"),
+                "--tls-ca-cert-file", str(self.tls / "ca.pem"), "--tls-auth-clients", "no"]
+
+    def start(self) -> RedisServer:
+        for _attempt in range(5):
+            log = open(self.workdir / f"redis-{self.port}.log", "ab")
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, *self._listen_args(), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
+                stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            started = wait_for(lambda: self._answers() or self.proc.poll() is not None)
+            if started and self.proc.poll() is None:
+                return self
+            self.port = free_port()  # the port was taken meanwhile: another one
+        raise AssertionError("redis-server did not start: see " + str(self.workdir))
+
+    def _answers(self) -> bool:
+        import ssl
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls is not None:
+                    ctx = ssl.create_default_context(cafile=str(self.tls / "ca.pem"))
+                    s = ctx.wrap_socket(raw, server_hostname="localhost")
+                s.sendall(b"PING\r\n")
+                data = s.recv(64)
+                return data.startswith((b"+PONG", b"-NOAUTH", b"-ERR"))
+        except OSError:
+            return False
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(DEADLINE_S)
+
+    def restart(self) -> None:
+        """Kill and start again on the same port (every key lost: no persistence)."""
+        self.kill()
+        port = self.port
+        self.start()
+        assert self.port == port, "the port was taken while redis-server was down"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(DEADLINE_S)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def settings_for(server: RedisServer, **kw: object) -> FleetSettings:
+    base: dict[str, object] = {"url": server.url, "liveness_ttl_s": 1.5,
+                               "lookup_timeout_s": 0.5, "op_timeout_s": 0.5,
+                               "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}
+    base.update(kw)
+    return FleetSettings(**base)  # type: ignore[arg-type]
+
+
+def identity(name: str, port: int = 5601, host: str = "10.0.0.1", key: str | None = None,
+             cert: bytes | None = None) -> Identity:
+    return Identity(instance=name, host=host, port=port, public_key=key or new_keypair().public,
+                    compat_hash=COMPAT, cert=cert)
+
+
+@pytest.fixture
+def directories() -> Iterator[list[Directory]]:
+    """Directories a test builds; closed at teardown."""
+    made: list[Directory] = []
+    yield made
+    for d in made:
+        d.close()
+
+
+def holder_dir(made: list[Directory], server: RedisServer, name: str, **kw: object) -> Directory:
+    ident = kw.pop("ident", None) or identity(name)
+    d = Directory(settings_for(server, **kw), identity=ident,  # type: ignore[arg-type]
+                  trusted=trust_any).start()
+    made.append(d)
+    assert d.wait_live(DEADLINE_S)
+    return d
+
+
+def consumer_dir(made: list[Directory], server: RedisServer, **kw: object) -> Directory:
+    trusted = kw.pop("trusted", trust_any)
+    d = Directory(settings_for(server, **kw), trusted=trusted,  # type: ignore[arg-type]
+                  compat_hash=COMPAT)
+    made.append(d)
+    return d
+
+
+def deadline(seconds: float = DEADLINE_S) -> float:
+    return time.monotonic() + seconds
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A fleet instance process (``tests/fleet/_proc.py``), its stdout lines in a queue."""
+
+    def __init__(self, *args: str):
+        import queue
+        import sys
+        import threading
+
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet._proc", *args],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.seen: list[str] = []
+        self.name = args[2] if len(args) > 2 else ""
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def expect(self, prefix: str, timeout_s: float = DEADLINE_S * 3) -> str:
+        """The next line starting with ``prefix`` (other lines are kept in :attr:`seen`)."""
+        import queue
+
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(0.01, left))
+            except queue.Empty:
+                err = ""
+                if self.proc.poll() is not None and self.proc.stderr is not None:
+                    err = self.proc.stderr.read()[-3000:]
+                raise AssertionError(f"no {prefix!r} line within {timeout_s} s; seen "
+                                     f"{self.seen}; stderr: {err}") from None
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(DEADLINE_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(DEADLINE_S)
+            except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                self.proc.kill()
+                self.proc.wait(DEADLINE_S)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    made: list[Proc] = []
+    yield made
+    for p in made:
+        p.kill()
+
+
+def server_ms(server: RedisServer) -> int:
+    """Redis's clock, ms (the directory's liveness deadlines are on it)."""
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
+    try:
+        sec, usec = r.time()
+        return int(sec) * 1000 + int(usec) // 1000
+    finally:
+        r.close()
