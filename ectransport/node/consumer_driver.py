@@ -187,6 +187,7 @@ class ConsumerDriver:
                 self._check_connecting(s, now)
             if s.failed is not None and not s.in_flight():
                 self._drop(s)
+        self.outcomes.deliver()  # last: the callers woken now find the interpreter free
 
     def _run(self, s: FetchSession, cmds: list[Command], now: float) -> None:
         """Perform ``cmds`` and everything that follows from them: each plane answer is fed to
@@ -220,6 +221,7 @@ class ConsumerDriver:
             for c in waiters:
                 if not c.future.done():
                     c.future.set_exception(ECTransportError("consumer closed"))
+        self.outcomes.deliver()
 
     def _fail(self, item: InboxItem) -> None:
         """A command that will never be taken: its fetches miss, its connect fails."""

@@ -52,6 +52,10 @@ class Outcomes:
         self.release_later = release_later
         self._waiters: dict[tuple[str, str], list[StartFetch]] = {}
         self._started: dict[tuple[str, str], float] = {}
+        #: results ready for their futures, handed over by :meth:`deliver` at the end of the
+        #: driver's step: a caller woken earlier would wait for the interpreter while the step
+        #: finishes (its completions' sends, the timers), two threads taking turns at it
+        self._ready: list[tuple[StartFetch, Outcome | Held]] = []
 
     def __bool__(self) -> bool:
         return bool(self._waiters)
@@ -103,6 +107,7 @@ class Outcomes:
         for w in self._waiters.pop((conn, outcome.mm_hash), []):
             if w.future.done():
                 continue
+            self.resolved += 1
             if w.held:
                 self.store.pin_if_ready(e.mm_hash)
                 w.future.set_result(Held(outcome.mm_hash, e.runs, e.nbytes, self.store.block_bytes,
@@ -117,9 +122,14 @@ class Outcomes:
             self.store.discard(e.mm_hash)  # no Held was handed out after all
 
     def resolve(self, conn: str, result: Outcome) -> None:
-        """Hand ``result`` to every waiter of its fetch from ``conn``."""
+        """Hand ``result`` to every waiter of its fetch from ``conn`` (at :meth:`deliver`)."""
         self._started.pop((conn, result.mm_hash), None)
-        for w in self._waiters.pop((conn, result.mm_hash), []):
+        self._ready += [(w, result) for w in self._waiters.pop((conn, result.mm_hash), [])]
+
+    def deliver(self) -> None:
+        """Set the futures of every outcome of this step (the driver's last act in a step)."""
+        ready, self._ready = self._ready, []
+        for w, result in ready:
             try:  # one lock round per future, not two (done() then set_result())
                 w.future.set_result(result)
             except InvalidStateError:  # cancelled by its caller
