@@ -1,4 +1,4 @@
-"""Binding a host:port plane's grants to the producer that declared it (plugin API 2, issue 17).
+"""Binding a host:port plane's grants to the producer that declared it (plugin API 2).
 
 The TCP and UCX planes reach a producer at a ``host:port`` named in each grant. A grant is only as
 trustworthy as the producer that sent it: a *compromised* producer (a CURVE key the consumer trusts

@@ -107,7 +107,7 @@ def unread_state(sock: socket.socket) -> str:
     e.g. bytes a producer pushed ahead of a request) or ``"closed"`` (EOF, an error, or a closed
     socket). Never raises.
 
-    Issue 17: a connection goes back to a pool, and a pooled one is reused, only when
+    A connection goes back to a pool, and a pooled one is reused, only when
     ``"clean"``, so that bytes pushed ahead of time are never taken for the next request's
     reply. The socket's timeout is restored.
     """

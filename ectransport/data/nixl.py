@@ -1,6 +1,6 @@
 """The NIXL data plane: one-sided READ of granted blocks over NIXL's UCX backend.
 
-**Grant scope** (option ``grant_scope``, issue 13). vLLM's ECCPUConnector hands every consumer the
+**Grant scope** (option ``grant_scope``). vLLM's ECCPUConnector hands every consumer the
 agent metadata of the whole registered region, so a consumer can READ any block, granted or not.
 Here, by default (``"grant"``), the producer registers *the granted blocks* when it describes a
 grant (one NIXL registration per distinct block list, shared by concurrent grants of the same
@@ -15,7 +15,7 @@ by a consumer's own NIXL agent (which refuses descriptors outside the sections i
 ``"region"`` registers the whole region once and puts the full metadata in every grant (the
 vLLM-compatible behaviour, for measurement and for old consumers).
 
-**Binding** (plugin API 2, issue 17). The producer declares its agent once per session
+**Binding** (plugin API 2). The producer declares its agent once per session
 (:meth:`NixlPlane.endpoint`: agent name, connection-only metadata, its identity, its region's
 bounds); the consumer's :meth:`NixlPlane.bind_peer` loads it only if the agent name carries the
 identity of the CURVE key the consumer dialed, and every grant of that session must name that agent

@@ -28,7 +28,7 @@ What the base does, identically for every subclass:
   request, reads the reply frame (at most :attr:`~SocketServingPlane.max_header_bytes`) and lets
   the subclass read exactly the announced payload (which must be the grant's size). A stale
   pooled connection (the producer closed it) is retried once on a new one.
-* **the "nothing unread" rule** (issue 17): a connection goes back to the pool, and a pooled one
+* **the "nothing unread" rule**: a connection goes back to the pool, and a pooled one
   is reused, only if nothing is waiting on it (:func:`~ectransport.data.framing.unread_state`);
   bytes waiting after a payload fail the transfer (:attr:`~SocketServingPlane.stray_bytes_fail`).
 * **teardown**: :meth:`~SocketServingPlane.close` revokes everything, cancels every receive, closes

@@ -27,7 +27,7 @@ sends an oversized, undecodable or wrong-version header gets ``STATUS_BAD_REQUES
 disconnected; one that stalls is disconnected after ``io_timeout_s`` (``idle_timeout_s`` between
 requests). Neither crashes nor hangs the producer.
 
-Binding grants to their producer (plugin API 2, issue 17; :mod:`ectransport.data.binding`): the
+Binding grants to their producer (plugin API 2; :mod:`ectransport.data.binding`): the
 producer's :meth:`TcpPlane.endpoint` declares ``{v, host, port, node, identity}`` once per session;
 the consumer's :meth:`TcpPlane.bind_peer` checks the identity and that the declared host is the host
 it dialed for the control plane, and :meth:`TcpPlane.start` refuses, before connecting anywhere, a
@@ -36,7 +36,7 @@ and keeps each binding's pooled connections apart, so a hostile producer can nei
 consumer nor disturb its transfers from other producers. A grant started without a binding (a
 producer that declared nothing) is served as before, with a warning.
 
-Stream hygiene (issue 17): every read is bounded by what the grant says (a reply announcing another
+Stream hygiene: every read is bounded by what the grant says (a reply announcing another
 size is an error and its connection is closed), and a connection goes back to the pool only when
 exactly the reply and its granted bytes were read and nothing else is waiting on it; bytes left
 after the payload fail the transfer (the stream is out of sync), and a pooled connection found with
@@ -316,7 +316,7 @@ class TcpPlane(HostEndpointPlane, SocketServingPlane[TcpGrant, _Route, Channel])
             _log.warning(
                 "tcp plane %s: grant for %s:%d started without a session binding (the producer "
                 "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
-                "a compromised producer could point this consumer elsewhere (issue 17); logged "
+                "a compromised producer could point this consumer elsewhere; logged "
                 "once", self.node_id, grant.host, grant.port)
 
 

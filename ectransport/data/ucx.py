@@ -17,7 +17,7 @@ served by the producer (consumer-initiated PUSH):
 4. consumer, once the header says OK, posts one receive per segment straight into its own blocks
    (zero copy; segments that arrived first wait as unexpected rendezvous requests, not copies).
 
-Binding grants to their producer (plugin API 2, issue 17; :mod:`ectransport.data.binding`): the
+Binding grants to their producer (plugin API 2; :mod:`ectransport.data.binding`): the
 producer declares ``{v, host, port, node, identity}`` once per session (:meth:`UcxPlane.endpoint`);
 the consumer checks it (:meth:`UcxPlane.bind_peer`: identity, and the host must be the one it
 dialed for the control plane) and :meth:`UcxPlane.start` refuses, before connecting, a grant naming
@@ -378,5 +378,5 @@ class UcxPlane(HostEndpointPlane, UcxService, DataTransport):
             _log.warning(
                 "ucx plane %s: grant for %s:%d started without a session binding (the producer "
                 "declared no endpoint, e.g. an older node): its grants are not bound to it, so "
-                "a compromised producer could point this consumer elsewhere (issue 17); logged "
+                "a compromised producer could point this consumer elsewhere; logged "
                 "once", self.node_id, grant.host, grant.port)

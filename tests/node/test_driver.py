@@ -1,6 +1,7 @@
-"""The drivers under the nodes, driven by the test itself (issue 15): ``step(now)`` with the
-in-memory control pair, real data planes, no node threads — and, where time matters, a clock the
-test sets. Nothing here sleeps or measures wall-clock time."""
+"""The drivers under the nodes, driven by the test itself: ``step(now)`` with the in-memory
+control pair and the in-memory planes (``memory``: READ, ``memory-push``: PUSH), no node threads
+— and, where time matters, a clock the test sets. Nothing here sleeps or measures wall-clock
+time; the real planes are tested on their own (tests/data) and across processes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from ectransport.protocol import (
 from ectransport.session import ConsumerConfig
 from ectransport.settings_schema import ConsumerSettings, NodeSettings, ProducerSettings
 from ectransport.store import BlockStore, HostRegion
+from ectransport.testing.memory import MemoryFabric
 from tests.conftest import sections, wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")  # 512-byte rows
@@ -55,7 +57,7 @@ def _rows(seed: int, n: int = ROWS) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, BB), dtype=np.uint8)
 
 
-def _producer(closing, net: MemoryNetwork, planes=("nixl",), **kw) -> ProducerNode:
+def _producer(closing, net: MemoryNetwork, planes=("memory",), **kw) -> ProducerNode:
     """A ProducerNode that is never started: the test steps its driver."""
     return closing(
         ProducerNode(
@@ -72,7 +74,7 @@ def consumer_driver():
     """``make(net, planes)``: a ConsumerDriver built by hand (what ConsumerNode builds)."""
     made: list[ConsumerDriver] = []
 
-    def make(net: MemoryNetwork, planes=("nixl",), clock=time.monotonic) -> ConsumerDriver:
+    def make(net: MemoryNetwork, planes=("memory",), clock=time.monotonic) -> ConsumerDriver:
         region = HostRegion(4 * ROWS, BB)
         loaded = load_planes(tuple(planes), node_id="driver-test", region=region, public_key=None)
         # inline_max_bytes=0: these entries are granted and READ (ECTP v2 would send them
@@ -100,7 +102,7 @@ def _drive(consumer: ConsumerDriver, producer: ProducerNode, fut: Future, timeou
     return fut.result(timeout=0)
 
 
-@pytest.mark.parametrize("plane", ["nixl", "tcp"])
+@pytest.mark.parametrize("plane", ["memory", "memory-push"])
 def test_one_thread_steps_both_drivers_through_a_fetch(closing, consumer_driver, plane):
     net = MemoryNetwork()
     p = _producer(closing, net, planes=(plane,))
@@ -166,8 +168,8 @@ def test_snapshot_is_answered_by_the_driving_thread(consumer_driver):
 
 
 @pytest.mark.parametrize(("producer_planes", "consumer_planes", "chosen"), [
-    (("nixl", "tcp"), ("ucx", "tcp"), "tcp"),       # the only common plane
-    (("tcp", "nixl"), ("nixl", "tcp"), "nixl"),     # the consumer's preference wins
+    (("memory", "memory-push"), ("ucx", "memory-push"), "memory-push"),  # the only common plane
+    (("memory-push", "memory"), ("memory", "memory-push"), "memory"),  # the consumer's preference wins
 ])
 def test_best_common_plane_is_chosen(closing, producer_planes, consumer_planes, chosen):
     pytest.importorskip("ucxx") if "ucx" in consumer_planes else None
@@ -195,14 +197,14 @@ def test_connect_names_the_refusal_by_type(closing, case, want):
     """Disjoint planes → NoCommonPlane; another layout → ProtocolError (not NoCommonPlane: the
     Welcome's compatibility hash differs from ours), whatever the detail text says."""
     net = MemoryNetwork()
-    p = _producer(closing, net, planes=("nixl",)).start()
+    p = _producer(closing, net, planes=("memory",)).start()
     c = closing(
         ConsumerNode(
             layout=Layout(hidden=512) if case == "layout" else LAYOUT,
             security=Security(insecure=True),
             control=MemoryControlClient(net),
             settings=ConsumerSettings(region_bytes=4 << 20),
-            node=NodeSettings(planes=("tcp",) if case == "planes" else ("nixl",)),
+            node=NodeSettings(planes=("memory-push",) if case == "planes" else ("memory",)),
         )
     )
     with pytest.raises(want) as err:
@@ -216,7 +218,7 @@ def test_connect_names_the_refusal_by_type(closing, case, want):
 def test_stats_is_one_consistent_copy_while_fetches_run(closing):
     """stats() from another thread while the I/O thread drives: never torn, never an error."""
     net = MemoryNetwork()
-    p = _producer(closing, net, planes=("tcp",)).start()
+    p = _producer(closing, net, planes=("memory-push",)).start()
     for i in range(4):
         assert p.put(f"e{i}", _rows(i, 4))
     c = closing(
@@ -225,7 +227,7 @@ def test_stats_is_one_consistent_copy_while_fetches_run(closing):
             security=Security(insecure=True),
             control=MemoryControlClient(net),
             settings=ConsumerSettings(region_bytes=64 * ROWS * BB),
-            node=NodeSettings(planes=("tcp",)),
+            node=NodeSettings(planes=("memory-push",)),
         )
     )
     stop, seen, errors = threading.Event(), [], []
@@ -288,8 +290,9 @@ def _granted(closing) -> tuple[ProducerNode, _RawMemoryConsumer, XferAck]:
     assert p.put("a", _rows(3))
     raw = _RawMemoryConsumer(net, p)
     (w,) = raw.exchange(Hello(v=raw.v, session_id=raw.session_id, node_id="raw",
-                              versions=list(SUPPORTED_VERSIONS), planes=["nixl"],
-                              compat_hash=LAYOUT.compat_hash, mem_kinds=["DRAM"]), now=0.0)
+                              versions=list(SUPPORTED_VERSIONS), planes=["memory"],
+                              compat_hash=LAYOUT.compat_hash, mem_kinds=["DRAM"],
+                              localities={"memory": MemoryFabric.shared().locality}), now=0.0)
     assert isinstance(w, Welcome) and w.status is Status.OK, w
     (ack,) = raw.exchange(XferReq(v=raw.v, session_id=raw.session_id, mm_hash="a",
                                   compat_hash=LAYOUT.compat_hash, dest=b""), now=0.0)
@@ -331,7 +334,7 @@ def test_only_the_io_thread_drives_a_node_whoever_fetches(closing, monkeypatch):
     (sockets, planes, sessions, store) runs on the node's I/O thread, and a queued fetch posted
     after the node closed misses at once instead of waiting for its deadline."""
     net = MemoryNetwork()
-    p = _producer(closing, net, planes=("tcp",)).start()
+    p = _producer(closing, net, planes=("memory-push",)).start()
     rows = {f"e{i}": _rows(i, 2) for i in range(6)}
     for k, v in rows.items():
         assert p.put(k, v)
@@ -346,7 +349,7 @@ def test_only_the_io_thread_drives_a_node_whoever_fetches(closing, monkeypatch):
     c = closing(ConsumerNode(layout=LAYOUT, security=Security(insecure=True),
                              control=MemoryControlClient(net),
                              settings=ConsumerSettings(region_bytes=4 * ROWS * BB),
-                             node=NodeSettings(planes=("tcp",), node_id="owner")))
+                             node=NodeSettings(planes=("memory-push",), node_id="owner")))
     outs: dict[str, object] = {}
 
     def caller(keys):

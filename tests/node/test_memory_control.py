@@ -1,6 +1,6 @@
-"""Node logic over the in-memory control pair (issue 15): the real ProducerNode and ConsumerNode
-and real data planes, but no control sockets — so a test can hold back the producer's answers
-(a stopped consumer loop) deterministically, with no signals and no sleeps."""
+"""Node logic over the in-memory control pair and the in-memory planes: the real ProducerNode
+and ConsumerNode, no sockets — so a test can hold back the producer's answers (a stopped
+consumer loop) deterministically, with no signals and no sleeps."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.conftest import sections, wait_for
 
 LAYOUT = Layout(hidden=256, dtype="bfloat16")
 ROWS = 16
-PLANES = ["tcp", "nixl"]
+PLANES = ["memory-push", "memory"]  # PUSH and READ
 
 
 def _rows(seed: int) -> np.ndarray:

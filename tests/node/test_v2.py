@@ -164,14 +164,14 @@ def test_driver_lands_an_inline_entry_and_a_batch_over_the_memory_pair(closing):
             security=Security(insecure=True),
             control=MemoryControlServer(net, "127.0.0.1", 5609),
             settings=ProducerSettings(region_bytes=4 << 20),
-            node=NodeSettings(planes=("tcp",)),
+            node=NodeSettings(planes=("memory",)),
         )
     )
     small, big = _rows(80, 8), {f"g{i}": _rows(81 + i, 256) for i in range(3)}  # 4, 128 KiB
     assert p.put("small", small) and all(p.put(k, v) for k, v in big.items())
     region = HostRegion(2048, BB)
-    planes = load_planes(("tcp",), node_id="v2-driver", region=region, public_key=None)
-    cfg = ConsumerConfig(node_id="v2-driver", compat_hash=LAYOUT.compat_hash, planes=("tcp",),
+    planes = load_planes(("memory",), node_id="v2-driver", region=region, public_key=None)
+    cfg = ConsumerConfig(node_id="v2-driver", compat_hash=LAYOUT.compat_hash, planes=("memory",),
                          localities=tuple((n, x.locality()) for n, x in planes.items()))
     d = ConsumerDriver(Parts(MemoryControlClient(net), planes, region, True),
                        BlockStore(2048, BB), LAYOUT, cfg)
