@@ -1,4 +1,5 @@
-"""``python -m interop [--full] [--only TEXT] [--skip TEXT] [--out DIR] [--loopback] [--list]``.
+"""``python -m interop [--full] [--impl NAME=CMD ...] [--only TEXT] [--out DIR] ...`` runs the
+matrix; ``python -m interop check-adapter CMD`` checks an adapter (``interop/ADAPTER.md``).
 
 Exit status: 0 when every cell met its expectation, 1 on any deviation, 2 on a harness error.
 """
@@ -11,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from interop import matrix
+from interop import cases, impls, matrix, venvs
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m interop", description=__doc__)
-    ap.add_argument("--full", action="store_true", help="run every cell (default: reduced/CI)")
+    ap.add_argument("--full", action="store_true",
+                    help="every cell, both earlier releases, the library axis (default: reduced)")
     ap.add_argument("--only", help="run cells whose name contains this text")
     ap.add_argument("--skip", help="leave out cells whose name contains this text")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
@@ -26,12 +28,67 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--netns", action="store_true", help="require network namespaces")
     ap.add_argument("--no-vllm", action="store_true", help="skip the cells that need vLLM")
     ap.add_argument("--list", action="store_true", help="list the selected cells and exit")
-    args = ap.parse_args(argv)
+    ap.add_argument("--impl", action="append", default=[], metavar="NAME=CMD",
+                    help="add an implementation: CMD starts its adapter (ADAPTER.md); it runs "
+                         "as producer and as consumer against this tree (repeatable)")
+    ap.add_argument("--release", action="append", default=None, metavar="REV",
+                    help=f"an earlier release (git revision) to run against this tree "
+                         f"(repeatable; default {impls.LAST_V1}, with --full also "
+                         f"{impls.FIRST_V2})")
+    ap.add_argument("--no-releases", action="store_true", help="no earlier release")
+    ap.add_argument("--no-c-client", action="store_true", help="leave out the C client")
+    ap.add_argument("--lib", action="append", default=None, metavar="PINS",
+                    help="a library-axis venv, e.g. pyzmq==25.1.0 (comma-separated pins; "
+                         "repeatable; default with --full: the oldest declared pyzmq, msgspec)")
+    ap.add_argument("--cross-only", action="store_true",
+                    help="only the implementation x implementation cells")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help=f"built venvs and binaries [${venvs.ENV_CACHE} or .venv-interop/]")
+    return ap
 
-    cells = matrix.select(args.full, args.only)
+
+def select_impls(args: argparse.Namespace) -> list[impls.Impl]:
+    """The implementations of this run (module ``interop.impls``), not yet built."""
+    cache = venvs.cache_dir(args.cache)
+    out = [impls.head(), impls.vllm()]
+    if not args.no_releases:
+        revs = args.release or ([impls.LAST_V1, impls.FIRST_V2] if args.full
+                                else [impls.LAST_V1])
+        out += [impls.release(r, cache) for r in revs]
+    if not args.no_c_client:
+        out.append(impls.c_client(cache))
+    libs = args.lib if args.lib is not None else \
+        ([",".join(p) for p in impls.OLDEST_LIBS] if args.full else [])
+    out += [impls.lib(tuple(s.split(",")), cache) for s in libs if s.strip()]
+    out += [impls.external(s) for s in args.impl]
+    names = [i.name for i in out]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"implementation names must be unique: {names}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check-adapter"]:
+        from interop.check_adapter import main as check_main
+
+        return check_main(argv[1:])
+    args = _parser().parse_args(argv)
+    t0 = time.monotonic()
+    chosen = select_impls(args)
+    for impl in chosen:
+        if impl.axis != "vllm":
+            impl.probe()  # builds it first; a failure leaves .unavailable set
+    by_name = {i.name: i for i in chosen}
+    cells = [] if args.cross_only else matrix.select(args.full)
+    cells += [c for c in cases.cross_cells(chosen, full=args.full) if args.full or c.ci]
+    if args.only:
+        cells = [c for c in cells if args.only.lower() in c.name.lower()]
     if args.skip:
         cells = [c for c in cells if args.skip.lower() not in c.name.lower()]
     if args.list:
+        for i in chosen:
+            print(f"impl {i.name}: {i.unavailable or i.origin}")
         for c in cells:
             print(f"{'ci ' if c.ci else '   '}{c.group:10} {c.name}")
         return 0
@@ -42,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "loopback" if args.loopback else ("netns" if args.netns else "auto")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(2))  # run the finally: below
     args.out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    h = Harness(slots, mode=mode, out_dir=args.out, with_vllm=False if args.no_vllm else None)
+    h = Harness(slots, mode=mode, out_dir=args.out, impls=by_name,
+                with_vllm=False if args.no_vllm else None)
     results = []
     try:
         for cell_res in _run_all(h, cells):
@@ -55,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         extra.append(f"removed stale namespaces: {', '.join(h.topo.stale_removed)}")
     if not h.with_vllm:
         extra.append(f"vLLM cells skipped: {h.vllm_reason or 'disabled'}")
-    md, js = write(results, args.out, mode=h.topo.mode, mode_reason=h.topo.reason,
-                   full=args.full, versions=h.versions, wall_s=time.monotonic() - t0, extra=extra)
+    md, _ = write(results, args.out, mode=h.topo.mode, mode_reason=h.topo.reason,
+                  full=args.full, versions=h.versions, wall_s=time.monotonic() - t0, extra=extra,
+                  impls=chosen)
     bad = [r for r in results if not r.passed and not r.skipped]
     print(f"interop: {len(results)} cells, {len(bad)} deviation(s), "
           f"{sum(bool(r.skipped) for r in results)} skipped, topology {h.topo.mode}; "
           f"{md} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    for i in chosen:
+        if i.unavailable:
+            print(f"  unavailable {i.name}: {i.unavailable[:300]}", file=sys.stderr)
     for r in bad:
         print(f"  DEVIATION {r.cell.name}: {'; '.join(r.deviations)}", file=sys.stderr)
     return 1 if bad else 0

@@ -13,30 +13,31 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from interop.adapter import expected_sha256
 from interop.expect import Observed, deviation, outcome_of
+from interop.impls import HEAD, VLLM, Impl
 from interop.netns import Topology
-from interop.spec import ECTP, VLLM_STOCK, Cell, Expect, NodeSpec, Step
+from interop.spec import ECTP, VLLM_STOCK, Cell, Entry, Expect, NodeSpec, Step
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 MARGIN_S = 25.0
 
 
 class NodeProc:
-    """One ``python -m interop.node`` process on a host slot."""
+    """One adapter process (``interop/ADAPTER.md``) of one implementation on a host slot."""
 
-    def __init__(self, slot: str, argv: list[str], log_path: Path, env: dict[str, str]):
+    def __init__(self, slot: str, argv: list[str], log_path: Path, env: dict[str, str],
+                 cwd: Path = REPO):
         self.slot = slot
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, cwd=REPO, env=env, text=True, bufsize=1,
+                                     stderr=self._log, cwd=cwd, env=env, text=True, bufsize=1,
                                      start_new_session=True)
         self._q: queue.Queue = queue.Queue()
         self._seq = itertools.count(1)
@@ -45,9 +46,11 @@ class NodeProc:
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self._q.put(json.loads(line))
+                msg = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(msg, dict):
+                self._q.put(msg)
         self._q.put(None)
 
     def alive(self) -> bool:
@@ -76,6 +79,25 @@ class NodeProc:
                         "detail": f"node process on {self.slot} exited ({self.proc.poll()})"}
             if msg.get("seq") == seq:
                 return msg
+
+    def raw(self, line: str, deadline_s: float) -> dict[str, Any]:
+        """Write ``line`` as is (a malformed request) and wait for the answer with ``seq`` null."""
+        try:
+            self.proc.stdin.write(line.rstrip("\n") + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return {"outcome": "error:NodeDied", "detail": f"adapter on {self.slot} is gone"}
+        deadline = time.monotonic() + deadline_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = self._q.get(timeout=left)
+            except queue.Empty:
+                break
+            if msg is None:
+                return {"outcome": "error:NodeDied", "detail": f"adapter exited ({self.proc.poll()})"}
+            if msg.get("seq") is None:
+                return msg
+        return {"outcome": "error:Hung", "detail": f"no answer to a raw line in {deadline_s:.0f} s"}
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -128,25 +150,31 @@ class CellResult:
 
 
 class Harness:
-    """Owns the topology, the key ring and one node process per (slot, python) pair."""
+    """Owns the topology, the key ring, the implementations and one adapter process per
+    (slot, implementation) pair."""
 
     def __init__(self, slots: list[str], *, mode: str = "auto", out_dir: Path,
-                 with_vllm: bool | None = None):
+                 impls: dict[str, Impl], with_vllm: bool | None = None,
+                 vectors_root: Path | None = None):
         self.out_dir = out_dir
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.topo = Topology(slots, mode)
+        self.impls = impls
         self.procs: dict[tuple[str, str], NodeProc] = {}
         self.keys = _keyring(["producer", "producer2", "consumer", "consumer2", "stranger"])
         self.versions: dict[str, dict[str, str]] = {}
+        self.vectors_root = vectors_root or REPO / "protocols" / "vectors"
         self.vllm_reason = ""
-        self.with_vllm = self._vllm_usable() if with_vllm is None else with_vllm
+        v = impls.get(VLLM)
+        self.with_vllm = with_vllm if with_vllm is not None else \
+            v is not None and self._vllm_usable(v)
         self._ids = itertools.count(1)
 
-    def _vllm_usable(self) -> bool:
-        if not VLLM_PY.exists():
-            self.vllm_reason = f"{VLLM_PY.relative_to(REPO)} not found (scripts/setup-vllm-venv.sh)"
+    def _vllm_usable(self, impl: Impl) -> bool:
+        if impl.unavailable:
+            self.vllm_reason = impl.unavailable
             return False
-        r = subprocess.run([str(VLLM_PY), "-c", "import importlib.util as u, sys; "
+        r = subprocess.run([impl.argv[0], "-c", "import importlib.util as u, sys; "
                             "sys.exit(0 if u.find_spec('vllm') and u.find_spec('nixl') else 1)"],
                            capture_output=True, timeout=60)
         if r.returncode != 0:
@@ -154,22 +182,24 @@ class Harness:
             return False
         return True
 
+    def impl_of(self, spec: NodeSpec) -> Impl:
+        """The implementation that runs ``spec``: ``spec.adapter``, else by node kind."""
+        name = spec.adapter or (VLLM if spec.impl == VLLM_STOCK else HEAD)
+        return self.impls[name]
+
     # -- processes ---------------------------------------------------------------------------
-    def proc(self, slot: str, impl: str) -> NodeProc:
-        py = "vllm" if impl == VLLM_STOCK else "main"
-        key = (slot, py)
+    def proc(self, slot: str, impl: Impl) -> NodeProc:
+        key = (slot, impl.name)
         p = self.procs.get(key)
         if p is not None and p.alive():
             return p
-        exe = str(VLLM_PY) if py == "vllm" else sys.executable
-        env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-                   VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        argv = self.topo.wrap(slot, [exe, "-m", "interop.node"])
-        p = NodeProc(slot, argv, self.out_dir / "logs" / f"{slot}-{py}.log", env)
-        hello = p.call("hello", 120.0 if py == "vllm" else 60.0)
+        argv = self.topo.wrap(slot, list(impl.argv))
+        log = self.out_dir / "logs" / f"{slot}-{_file_name(impl.name)}.log"
+        p = NodeProc(slot, argv, log, impl.process_env(), impl.cwd)
+        hello = p.call("hello", impl.hello_timeout_s)
         if hello.get("outcome") == "ok":
-            self.versions[f"{slot}/{py}"] = hello["versions"]
+            self.versions[f"{slot}/{impl.name}"] = {**hello.get("libs", {}),
+                                                    **_impl_version(hello)}
         self.procs[key] = p
         return p
 
@@ -183,12 +213,44 @@ class Harness:
         self.procs.clear()
         self.topo.close()
 
+    # -- node descriptions (ADAPTER.md §2) ----------------------------------------------------
+    def node_json(self, spec: NodeSpec, *, host: str = "", port: int = 0) -> dict[str, Any]:
+        """``spec`` as an adapter node description, its key names resolved to keys."""
+        d: dict[str, Any] = {
+            "role": spec.role, "planes": list(spec.planes),
+            "versions": list(spec.versions) if spec.versions else None, "curve": spec.curve,
+            "model": spec.model, "dtype": spec.dtype, "hidden": spec.hidden,
+            "mem_kind": spec.mem_kind, "region_bytes": spec.region_bytes,
+            "budget_bytes": spec.budget_bytes,
+            "ext": {"kind": spec.impl, "profile": spec.profile, "options": spec.options,
+                    "emulated": spec.emulated}}
+        if spec.curve and spec.key:
+            d["public_key"], d["secret_key"] = self.keys[spec.key]
+        if spec.role == "producer":
+            d.update(host=host, port=port, allow=[self.keys[k][0] for k in spec.allow])
+        return d
+
+    def producer_for(self, spec: NodeSpec, prod: dict[str, Any]) -> dict[str, Any]:
+        """The producer address a consumer described by ``spec`` is given: the key it believes
+        the producer has (``server_key``, else the producer's own; none when plain)."""
+        key = prod.get("public_key")
+        if spec.curve and spec.server_key:
+            key = self.keys[spec.server_key][0]
+        return {"host": prod["host"], "port": prod["port"],
+                "public_key": key if spec.curve else None}
+
     # -- cells -------------------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
         res = CellResult(cell)
         if cell.needs_vllm and not self.with_vllm:
             res.skipped = f"vLLM unavailable: {self.vllm_reason}"
             return res
+        for spec in (cell.producer, *cell.consumers):
+            impl = self.impls.get(spec.adapter or (VLLM if spec.impl == VLLM_STOCK else HEAD))
+            if impl is None or impl.unavailable:
+                res.skipped = f"{spec.adapter or spec.impl} unavailable: " + \
+                    (impl.unavailable if impl else "not selected")
+                return res
         t0 = time.monotonic()
         opened: list[tuple[NodeProc, str]] = []
         try:
@@ -204,15 +266,25 @@ class Harness:
 
     def _vector_gate(self, spec: NodeSpec, p: NodeProc, res: CellResult, tag: str) -> bool:
         """Check the node's claimed versions against the golden vectors; False = refuse it."""
+        impl = self.impl_of(spec)
         if spec.impl != ECTP:
             res.vectors[tag] = "n/a (not an ECTP node)"
             return True
-        from ectransport.protocol import SUPPORTED_VERSIONS
-
-        claimed = list(spec.versions or SUPPORTED_VERSIONS)
-        v = p.call("vectors", 60.0, versions=claimed)
+        if not impl.has("vectors"):
+            res.vectors[tag] = f"n/a ({impl.name} declares no vectors op)"
+            return True
+        claimed = list(spec.versions or impl.versions)
+        if impl.own_vectors:  # a release is vetted against the vectors it shipped with
+            v = p.call("vectors", 60.0, versions=claimed)
+            now = p.call("vectors", 60.0, versions=claimed, root=str(self.vectors_root))
+            if not now.get("passed"):
+                res.notes.append(f"{tag} ({impl.name}) against this tree's vectors: "
+                                 f"{now.get('detail', '')}")
+        else:
+            v = p.call("vectors", 60.0, versions=claimed, root=str(self.vectors_root))
         passed = bool(v.get("passed"))
-        res.vectors[tag] = ("pass" if passed else "FAIL") + f" ({v.get('detail', '')})"
+        res.vectors[tag] = ("pass" if passed else "FAIL") + f" ({v.get('detail', '')})" + \
+            (" [its own vectors]" if impl.own_vectors else "")
         if spec.emulated:
             if passed:
                 res.notes.append(f"DEVIATION {tag}: emulated version claim passed the vector check")
@@ -222,7 +294,6 @@ class Harness:
 
     def _run(self, cell: Cell, res: CellResult, opened: list) -> None:
         mode = self.topo.mode
-        keys = self.keys
         pspec = cell.producer
         pid = f"p{next(self._ids)}"
         prod: dict[str, Any] = {}
@@ -230,16 +301,18 @@ class Harness:
 
         def start_producer(port: int = 0) -> Observed:
             nonlocal pp
-            pp = self.proc(pspec.host, pspec.impl)
+            pp = self.proc(pspec.host, self.impl_of(pspec))
             if not self._vector_gate(pspec, pp, res, "producer"):
                 return Observed("refused:VectorCheckFailed", detail=res.vectors["producer"])
-            r = pp.call("producer.start", 120.0, id=pid, spec=pspec.to_json(),
-                        host=self.topo.address(pspec.host), port=port, keys=keys,
-                        entries=[e.__dict__ for e in cell.entries])
-            if r.get("outcome") == "ok":
-                opened.append((pp, pid))
-                prod.update(host=r["host"], port=r["port"], public_key=r.get("public_key"))
-                res.notes.append(f"producer planes: {r.get('transports')}")
+            r = pp.call("start", 120.0, id=pid,
+                        node=self.node_json(pspec, host=self.topo.address(pspec.host), port=port))
+            if r.get("outcome") != "ok":
+                return outcome_of(r)
+            opened.append((pp, pid))
+            prod.update(host=r["host"], port=r["port"], public_key=r.get("public_key"))
+            res.notes.append(f"producer planes: {r.get('transports')}")
+            if cell.entries:
+                r = pp.call("put", 120.0, id=pid, entries=[e.__dict__ for e in cell.entries])
             return outcome_of(r)
 
         obs = start_producer()
@@ -250,13 +323,12 @@ class Harness:
             return
         cons: list[tuple[NodeProc, str, NodeSpec]] = []
         for i, cspec in enumerate(cell.consumers):
-            cp = self.proc(cspec.host, cspec.impl)
+            cp = self.proc(cspec.host, self.impl_of(cspec))
             cid = f"c{next(self._ids)}"
             if not self._vector_gate(cspec, cp, res, f"consumer{i}"):
                 obs = Observed("refused:VectorCheckFailed", detail=res.vectors[f"consumer{i}"])
             else:
-                obs = outcome_of(cp.call("consumer.open", 120.0, id=cid, spec=cspec.to_json(),
-                                         keys=keys))
+                obs = outcome_of(cp.call("start", 120.0, id=cid, node=self.node_json(cspec)))
             if obs.outcome != "ok":
                 res.steps.append(StepResult(Step("open_consumer", i), obs, "ok",
                                             deviation(Expect(("ok",)), obs, mode)))
@@ -281,7 +353,8 @@ class Harness:
             for i in who:
                 cp, cid, cspec = cons[i]
                 t = threading.Thread(target=self._consumer_step,
-                                     args=(step, cp, cid, prod, entries, results, i))
+                                     args=(step, cp, cid, cspec, prod, entries, results, i,
+                                           pspec.block_bytes))
                 threads.append(t)
                 t.start()
             for t in threads:
@@ -293,55 +366,93 @@ class Harness:
                 label = exp.label(mode) + (f" (consumer {i})" if len(cons) > 1 else "")
                 res.steps.append(StepResult(step, obs, label, dev))
         if pp is not None and pp.alive() and any(n == pid for _, n in opened):
-            st = pp.call("stats", 30.0, id=pid).get("stats", {})
-            deadline = time.monotonic() + 5.0
-            while st.get("pinned_bytes", 0) and time.monotonic() < deadline:
-                time.sleep(0.1)
-                st = pp.call("stats", 30.0, id=pid).get("stats", {})
-            if st:
-                res.notes.append(f"producer stats: grants={st.get('grants')} "
-                                 f"pinned_bytes={st.get('pinned_bytes')}")
-                if st.get("pinned_bytes", 0):
-                    res.notes.append(f"DEVIATION pins leaked: {st.get('pinned_bytes')} bytes")
+            self._check_pins(pp, pid, res)
 
-    def _consumer_step(self, step: Step, cp: NodeProc, cid: str, prod: dict, entries: dict,
-                       out: dict, i: int) -> None:
+    def _check_pins(self, pp: NodeProc, pid: str, res: CellResult) -> None:
+        """The producer holds no pin at the end (5 s to drain)."""
+        st = pp.call("stats", 30.0, id=pid).get("stats", {})
+        deadline = time.monotonic() + 5.0
+        while st.get("pinned_bytes", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)  # poll interval of a deadline loop (pins drain asynchronously)
+            st = pp.call("stats", 30.0, id=pid).get("stats", {})
+        if not st:
+            return
+        pinned = st.get("pinned_bytes", 0)
+        res.notes.append(f"producer stats: grants={st.get('grants')} pinned_bytes={pinned}")
+        if pinned:
+            res.notes.append(f"DEVIATION pins leaked: {pinned} bytes")
+
+    def _consumer_step(self, step: Step, cp: NodeProc, cid: str, cspec: NodeSpec, prod: dict,
+                       entries: dict, out: dict, i: int, block_bytes: int) -> None:
         try:
-            self._consumer_step_inner(step, cp, cid, prod, entries, out, i)
+            out[i] = self._consumer_call(step, cp, cid, self.producer_for(cspec, prod), entries,
+                                         block_bytes)
         except Exception as e:  # noqa: BLE001
             out[i] = {"outcome": f"error:Harness{type(e).__name__}", "detail": str(e)[:300]}
 
-    def _consumer_step_inner(self, step: Step, cp: NodeProc, cid: str, prod: dict,
-                             entries: dict, out: dict, i: int) -> None:
+    def _consumer_call(self, step: Step, cp: NodeProc, cid: str, producer: dict,
+                       entries: dict[str, Entry], bb: int) -> dict[str, Any]:
+        """One consumer step over the adapter; ``bytes_ok`` from the reported digests of what
+        landed (``bb``: the producer's block bytes, rows × bb the size an entry must have)."""
         margin = step.timeout_s + MARGIN_S
         if step.op == "connect":
-            out[i] = cp.call("consumer.connect", margin, id=cid, producer=prod,
-                             timeout_s=step.timeout_s, keys=self.keys)
-            return
+            return cp.call("connect", margin, id=cid, producer=producer, timeout_s=step.timeout_s)
         if step.op == "fetch_many":
-            eds = [entries[m].__dict__ if m in entries else {"mm_hash": m, "rows": 1, "seed": 0}
-                   for m in step.mm_hash.split(",")]
-            out[i] = cp.call("consumer.fetch_many", margin, id=cid, producer=prod, entries=eds,
-                             timeout_s=step.timeout_s, keys=self.keys)
-            return
+            names = step.mm_hash.split(",")
+            r = cp.call("fetch_many", margin, id=cid, producer=producer, mm_hashes=names,
+                        timeout_s=step.timeout_s)
+            if r.get("outcome") == "ok":
+                items = {it.get("mm_hash"): it for it in r.get("items") or ()}
+                r["bytes_ok"] = all(n in entries and n in items
+                                    and _landed_ok(items[n], entries[n], bb) for n in names)
+            return r
         entry = entries.get(step.mm_hash)
-        ed = entry.__dict__ if entry else {"mm_hash": step.mm_hash, "rows": 1, "seed": 0}
+        rows = entry.rows if entry else 1
         if step.op == "fetch":
-            out[i] = cp.call("consumer.fetch", margin, id=cid, producer=prod, entry=ed,
-                             timeout_s=step.timeout_s, keys=self.keys)
-            return
+            return self._fetch(cp, cid, producer, step.mm_hash, rows, step.timeout_s, margin,
+                               entry, bb)
         # fetch_until_ok: retry short fetches until ok or the step's timeout
         end = time.monotonic() + step.timeout_s
         tries, r = 0, {}
         while time.monotonic() < end:
             tries += 1
-            r = cp.call("consumer.fetch", 5.0 + MARGIN_S, id=cid, producer=prod, entry=ed,
-                        timeout_s=5.0, keys=self.keys)
+            r = self._fetch(cp, cid, producer, step.mm_hash, rows, 5.0, 5.0 + MARGIN_S, entry,
+                            bb)
             if r.get("outcome") == "ok" or r.get("outcome", "").startswith("error:"):
                 break
-            time.sleep(0.5)
+            time.sleep(0.5)  # retry interval of a deadline loop
         r["detail"] = f"after {tries} attempt(s); " + str(r.get("detail", ""))
-        out[i] = r
+        return r
+
+    def _fetch(self, cp: NodeProc, cid: str, producer: dict, mm_hash: str, rows: int,
+               timeout_s: float, deadline_s: float, entry: Entry | None, bb: int
+               ) -> dict[str, Any]:
+        r = cp.call("fetch", deadline_s, id=cid, producer=producer, mm_hash=mm_hash, rows=rows,
+                    timeout_s=timeout_s)
+        if r.get("outcome") == "ok":
+            r["bytes_ok"] = entry is not None and _landed_ok(r, entry, bb)
+        return r
+
+
+def _landed_ok(item: dict[str, Any], entry: Entry, block_bytes: int) -> bool:
+    """What a consumer adapter reports landed (``nbytes``, ``sha256``) is the entry's bytes."""
+    nbytes = entry.rows * block_bytes
+    return item.get("nbytes") == nbytes and item.get("sha256") == expected_sha256(entry.seed,
+                                                                                  nbytes)
+
+
+def _impl_version(hello: dict[str, Any]) -> dict[str, str]:
+    impl = hello.get("impl") or {}
+    out = {}
+    if impl.get("name"):
+        out[f"impl:{impl['name']}"] = str(impl.get("version", ""))
+    if impl.get("revision"):
+        out["revision"] = str(impl["revision"])[:12]
+    return out
+
+
+def _file_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.@" else "_" for c in name)
 
 
 def _keyring(names: list[str]) -> dict[str, list[str]]:

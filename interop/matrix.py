@@ -42,7 +42,7 @@ SAME_NAMESPACE_ONLY = frozenset({"shm"})
 LO_P, LO_C = "lo-p", "lo-c"  # producer / consumer slots sharing one namespace (127.0.0.N)
 #: ECTP consumers: a CURVE handshake deadline that survives a loaded 2-core CI machine (the
 #: default 1.5 s was once exceeded there and the producer was reported unreachable).
-CONSUMER_OPTIONS = {"control_options": {"handshake_timeout_s": 5.0}}
+CONSUMER_OPTIONS = {"control_client": {"handshake_timeout_s": 5.0}}
 
 
 def P(**kw) -> NodeSpec:

@@ -1,302 +1,192 @@
-"""A node process of the interop matrix: ``python -m interop.node`` (one per host slot).
+"""The ectransport adapter: ``python -m interop.node`` speaks the adapter protocol
+(``interop/ADAPTER.md``, version 1) for this tree's nodes — one process per host slot.
 
-It reads one JSON command per line on stdin and answers one JSON line on stdout (native libraries
-that print are redirected to stderr). Commands (``op``):
-
-* ``hello`` → the process's versions (python, ectransport, nixl, pyzmq, ucxx, vllm if importable);
-* ``vectors {versions}`` → the golden-vector check (:mod:`interop.vectors`) with this codec;
-* ``producer.start {id, spec, entries, port, keys}`` → starts a ProducerNode (ECTP),
-  a VllmWireProducerNode (vLLM wire) or vLLM's own producer session (vLLM stock), stores the
-  entries; answers ``{host, port, public_key, transports}`` or ``{outcome: "refused:<Class>"}``;
-* ``consumer.open {id, spec, keys}``; ``consumer.connect {id, producer, timeout_s}``;
-  ``consumer.fetch {id, producer, entry, timeout_s}`` → ``{outcome, plane, bytes_ok, seconds}``;
-* ``close {id}``; ``exit``.
-
-Entries are ``rows`` random rows of the node's block size drawn from ``seed`` on both sides, so the
-consumer verifies bytes with no payload on the control channel (SHA-256 of the rows).
+It reads one JSON request per line on stdin and writes one JSON answer per line on stdout (what
+native libraries print is redirected to stderr, never into the protocol stream). The ops and
+their shapes are ADAPTER.md's; this module parses and validates requests (``error:BadRequest``,
+``error:UnknownOp``, ``error:UnknownNode`` for bad input, the process stays healthy) and hands
+them to :class:`interop.node_ops.Nodes`, which drives ``ProducerNode`` / ``ConsumerNode`` (and,
+through the node description's ``ext.kind``, the vLLM-wire profile or vLLM's own classes when run
+in the vLLM venv).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
-import numpy as np
-
-from interop.spec import ECTP, VLLM_STOCK, VLLM_WIRE, Entry, NodeSpec
+from interop.adapter import ADAPTER_VERSION, encode_line
 
 
-def rows_for(entry: Entry, block_bytes: int) -> np.ndarray:
-    """The entry's bytes: ``[rows, block_bytes]`` uint8, deterministic from its seed."""
-    return np.random.default_rng(entry.seed).integers(0, 256, (entry.rows, block_bytes),
-                                                      dtype=np.uint8)
+class BadRequest(Exception):
+    """A request the adapter cannot act on (answered ``error:BadRequest``)."""
 
 
-def digest(a: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data).hexdigest()
+class UnknownNode(Exception):
+    """A request naming an ``id`` no ``start`` created (answered ``error:UnknownNode``)."""
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
+def field(cmd: dict[str, Any], key: str, typ: type | tuple[type, ...], *,
+          default: Any = ..., nullable: bool = False) -> Any:
+    """``cmd[key]`` checked against ``typ`` (bool is not an int); a missing key takes
+    ``default`` (``...``: required). Raises BadRequest naming the key."""
+    if key not in cmd:
+        if default is ...:
+            raise BadRequest(f"missing field {key!r}")
+        return default
+    v = cmd[key]
+    if v is None and nullable:
+        return None
+    ok = isinstance(v, typ) and not (isinstance(v, bool) and bool not in _tuple(typ))
+    if not ok:
+        raise BadRequest(f"field {key!r} is {type(v).__name__}, expected "
+                         f"{'/'.join(t.__name__ for t in _tuple(typ))}")
+    return v
 
-    out = {"python": sys.version.split()[0]}
-    for name in ("ectransport", "nixl", "pyzmq", "ucxx-cu12", "ucxx", "vllm", "ectransport-shm",
-                 "msgspec"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    try:
-        import zmq
 
-        out["libzmq"] = zmq.zmq_version()
-    except ImportError:
-        pass
-    return out
+def _tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
+    return typ if isinstance(typ, tuple) else (typ,)
 
 
-class Worker:
+def number(cmd: dict[str, Any], key: str, *, default: Any = ...) -> float:
+    """A non-negative finite number field."""
+    v = float(field(cmd, key, (int, float), default=default))
+    if not 0 <= v < 1e9:
+        raise BadRequest(f"field {key!r} = {v} is not a non-negative number of seconds")
+    return v
+
+
+class Adapter:
+    """Dispatch of one request line to the node operations (:mod:`interop.node_ops`)."""
+
     def __init__(self) -> None:
-        self.nodes: dict[str, Any] = {}
-        self.specs: dict[str, NodeSpec] = {}
+        from interop.node_ops import Nodes
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _security(self, spec: NodeSpec, keys: dict[str, list[str]], producer: bool):
-        from ectransport.node import Security
+        self.nodes = Nodes()
 
-        if not spec.curve:
-            return Security(insecure=True)
-        pub, sec = keys[spec.key]
-        if producer:
-            allowed = {keys[k][0] for k in spec.allow}
-            return Security(public_key=pub, secret_key=sec, allow=lambda k: k in allowed)
-        return Security(public_key=pub, secret_key=sec)
+    def handle(self, line: str) -> dict[str, Any]:
+        """One request line → its answer (always a dict with ``outcome``; ``seq`` echoed)."""
+        try:
+            cmd = json.loads(line)
+        except json.JSONDecodeError as e:
+            return {"seq": None, "outcome": "error:BadRequest", "detail": f"not JSON: {e}"}
+        if not isinstance(cmd, dict):
+            return {"seq": None, "outcome": "error:BadRequest",
+                    "detail": f"a request is a JSON object, got {type(cmd).__name__}"}
+        seq = cmd.get("seq")
+        res: dict[str, Any]
+        try:
+            op = field(cmd, "op", str)
+            fn = getattr(self, "op_" + op.replace(".", "_"), None)
+            if fn is None or op not in OPS:
+                res = {"outcome": "error:UnknownOp", "detail": f"unknown op {op!r}"}
+            else:
+                res = fn(cmd)
+        except BadRequest as e:
+            res = {"outcome": "error:BadRequest", "detail": str(e)}
+        except UnknownNode as e:
+            res = {"outcome": "error:UnknownNode", "detail": str(e)}
+        except Exception as e:  # noqa: BLE001 - an adapter bug must still answer
+            res = {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
+                   "trace": traceback.format_exc()[-1500:]}
+        res["seq"] = seq
+        return res
 
-    @staticmethod
-    def _layout(spec: NodeSpec):
-        from ectransport.node import Layout
+    # -- ops (shapes: ADAPTER.md §3) ---------------------------------------------------------
+    def op_hello(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"outcome": "ok", "adapter": ADAPTER_VERSION, **self.nodes.hello()}
 
-        return Layout(model_id=spec.model, dtype=spec.dtype, hidden=spec.hidden)
-
-    # -- ops ---------------------------------------------------------------------------------
-    def op_hello(self, cmd: dict) -> dict:
-        return {"outcome": "ok", "versions": _versions(), "pid": os.getpid()}
-
-    def op_vectors(self, cmd: dict) -> dict:
+    def op_vectors(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from interop.vectors import check
 
-        return {"outcome": "ok", **check(cmd["versions"])}
+        versions = field(cmd, "versions", list)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+            raise BadRequest("versions must be a list of integers")
+        return {"outcome": "ok", **check(versions)}
 
-    def op_producer_start(self, cmd: dict) -> dict:
-        spec = NodeSpec.from_json(cmd["spec"])
-        host, port, keys = cmd["host"], int(cmd.get("port") or 0), cmd.get("keys", {})
-        entries = [Entry(**e) for e in cmd.get("entries", [])]
-        t0 = time.monotonic()
-        try:
-            if spec.mem_kind != "DRAM":
-                from ectransport.errors import PlaneUnavailable
+    def op_start(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        nid = field(cmd, "id", str)
+        desc = field(cmd, "node", dict)
+        if nid in self.nodes.nodes:
+            raise BadRequest(f"id {nid!r} is in use (close it first)")
+        role = field(desc, "role", str)
+        if role not in ("producer", "consumer"):
+            raise BadRequest(f"node.role is {role!r}, expected producer or consumer")
+        for k in ("model", "dtype"):
+            field(desc, k, str)
+        field(desc, "hidden", int)
+        field(desc, "planes", list)
+        if role == "producer":
+            field(desc, "host", str)
+        return self.nodes.start(nid, desc)
 
-                raise PlaneUnavailable(f"{spec.mem_kind} regions need a GPU; none here")
-            if spec.impl == VLLM_STOCK:
-                from interop.vllm_side import StockVllmProducer
+    def op_put(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        node = self._node(cmd, "producer")
+        entries = field(cmd, "entries", list)
+        for e in entries:
+            if not isinstance(e, dict):
+                raise BadRequest("entries must be objects {mm_hash, rows, seed, ready}")
+            field(e, "mm_hash", str)
+            if field(e, "rows", int) <= 0:
+                raise BadRequest("entry rows must be positive")
+            field(e, "seed", int)
+            field(e, "ready", bool, default=True)
+        return self.nodes.put(node, entries)
 
-                node = StockVllmProducer(host=host, port=port or _free_port(host),
-                                         model=spec.model, dtype=spec.dtype,
-                                         block_bytes=spec.block_bytes,
-                                         num_blocks=spec.region_bytes // spec.block_bytes)
-                for e in entries:
-                    node.put(e.mm_hash, rows_for(e, spec.block_bytes), ready=e.ready)
-                out_port, pub, transports = node.port, None, {"vllm-nixl": "vLLM NixlDataTransport"}
-            else:
-                layout = self._layout(spec)
-                sec = self._security(spec, keys, producer=True)
-                if spec.impl == VLLM_WIRE:
-                    from ectransport.compat.vllm_wire import VllmWireProducerNode
+    def op_announce(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.nodes.announce(self._node(cmd, "producer"), field(cmd, "mm_hash", str))
 
-                    node = VllmWireProducerNode(
-                        profile=spec.profile, security=sec, layout=layout, host=host, port=port,
-                        region_bytes=spec.region_bytes, budget_bytes=spec.budget_bytes,
-                        **spec.options)
-                else:
-                    from ectransport.node import ProducerNode
+    def op_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        node = self._node(cmd, "consumer")
+        return self.nodes.connect(node, self._producer(cmd), number(cmd, "timeout_s"))
 
-                    kw = dict(spec.options)
-                    if spec.versions:
-                        kw["versions"] = spec.versions
-                    node = ProducerNode(layout=layout, region_bytes=spec.region_bytes, host=host,
-                                        port=port, security=sec, planes=spec.planes,
-                                        budget_bytes=spec.budget_bytes, **kw)
-                for e in entries:
-                    if e.ready:
-                        assert node.put(e.mm_hash, rows_for(e, spec.block_bytes)), e
-                    else:
-                        node.reserve(e.mm_hash, e.rows * spec.block_bytes)
-                node.start()
-                out_port, pub, transports = node.port, node.public_key, node.plane_transports()
-        except Exception as e:  # noqa: BLE001 - reported as the cell's observed outcome
-            return {"outcome": f"refused:{type(e).__name__}", "detail": str(e)[:300],
-                    "seconds": time.monotonic() - t0}
-        self.nodes[cmd["id"]] = node
-        self.specs[cmd["id"]] = spec
-        return {"outcome": "ok", "host": host, "port": out_port, "public_key": pub,
-                "transports": transports, "seconds": time.monotonic() - t0}
+    def op_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        node = self._node(cmd, "consumer")
+        ticket = field(cmd, "ticket", dict, default=None, nullable=True)
+        return self.nodes.fetch(node, self._producer(cmd), field(cmd, "mm_hash", str),
+                                number(cmd, "timeout_s"), rows=field(cmd, "rows", int, default=0),
+                                ticket=ticket)
 
-    def op_consumer_open(self, cmd: dict) -> dict:
-        spec = NodeSpec.from_json(cmd["spec"])
-        keys = cmd.get("keys", {})
-        t0 = time.monotonic()
-        try:
-            if spec.mem_kind != "DRAM":
-                from ectransport.errors import PlaneUnavailable
+    def op_fetch_many(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        node = self._node(cmd, "consumer")
+        hashes = field(cmd, "mm_hashes", list)
+        if not 0 < len(hashes) <= 64 or not all(isinstance(h, str) for h in hashes):
+            raise BadRequest("mm_hashes must be a list of 1..64 strings")
+        return self.nodes.fetch_many(node, self._producer(cmd), hashes, number(cmd, "timeout_s"))
 
-                raise PlaneUnavailable(f"{spec.mem_kind} regions need a GPU; none here")
-            if spec.impl == VLLM_STOCK:
-                from interop.vllm_side import StockVllmConsumer
+    def op_stats(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.nodes.stats(self._node(cmd))
 
-                node = StockVllmConsumer(model=spec.model, dtype=spec.dtype,
-                                         block_bytes=spec.block_bytes,
-                                         num_blocks=spec.region_bytes // spec.block_bytes)
-            elif spec.impl == VLLM_WIRE:
-                from ectransport.compat.vllm_wire import VllmWireConsumer
+    def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.nodes.close(field(cmd, "id", str))
 
-                node = VllmWireConsumer(profile=spec.profile,
-                                        security=self._security(spec, keys, False),
-                                        layout=self._layout(spec),
-                                        region_bytes=spec.region_bytes, **spec.options)
-            else:
-                from ectransport.node import ConsumerNode
+    # -- helpers -----------------------------------------------------------------------------
+    def _node(self, cmd: dict[str, Any], role: str | None = None) -> Any:
+        nid = field(cmd, "id", str)
+        node = self.nodes.nodes.get(nid)
+        if node is None:
+            raise UnknownNode(f"no node {nid!r} (start it first)")
+        if role and node.role != role:
+            raise BadRequest(f"{cmd.get('op')} needs a {role}; {nid!r} is a {node.role}")
+        return node
 
-                kw = dict(spec.options)
-                if spec.versions:
-                    kw["versions"] = spec.versions
-                node = ConsumerNode(layout=self._layout(spec), region_bytes=spec.region_bytes,
-                                    security=self._security(spec, keys, False),
-                                    planes=spec.planes, **kw)
-        except Exception as e:  # noqa: BLE001
-            return {"outcome": f"refused:{type(e).__name__}", "detail": str(e)[:300]}
-        self.nodes[cmd["id"]] = node
-        self.specs[cmd["id"]] = spec
-        return {"outcome": "ok", "seconds": time.monotonic() - t0}
-
-    def _address(self, cmd: dict, spec: NodeSpec):
-        from ectransport.node import ProducerAddress
-
-        p = cmd["producer"]
-        key = p.get("public_key")
-        if spec.curve and spec.server_key:
-            key = cmd.get("keys", {})[spec.server_key][0]
-        return ProducerAddress(p["host"], int(p["port"]), key if spec.curve else None)
-
-    def op_consumer_connect(self, cmd: dict) -> dict:
-        node, spec = self.nodes[cmd["id"]], self.specs[cmd["id"]]
-        t0 = time.monotonic()
-        if spec.impl != ECTP:
-            return {"outcome": "ok", "detail": "no connect step in the vLLM wire"}
-        try:
-            plane = node.connect(self._address(cmd, spec), timeout_s=float(cmd["timeout_s"]))
-        except Exception as e:  # noqa: BLE001
-            return {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
-                    "seconds": time.monotonic() - t0}
-        s = node.session(self._address(cmd, spec))
-        return {"outcome": "ok", "plane": plane, "seconds": time.monotonic() - t0,
-                "version": getattr(s, "version", None)}
-
-    def op_consumer_fetch_many(self, cmd: dict) -> dict:
-        """``fetch_many`` of several entries (ECTP nodes): ok iff every one landed byte-exact;
-        ``version``: the session's negotiated ECTP version."""
-        node, spec = self.nodes[cmd["id"]], self.specs[cmd["id"]]
-        entries = [Entry(**e) for e in cmd["entries"]]
-        t0 = time.monotonic()
-        res: dict = {"outcome": "ok", "bytes_ok": True}
-        try:
-            addr = self._address(cmd, spec)
-            outs = node.fetch_many(addr, [e.mm_hash for e in entries],
-                                   timeout_s=float(cmd["timeout_s"]))
-            for e, out in zip(entries, outs, strict=True):
-                if not out.ok:
-                    res = {"outcome": f"miss:{out.reason.name}", "detail": f"{e.mm_hash}: "
-                           f"{out.detail}"}
-                    break
-                want = rows_for(e, spec.block_bytes)
-                res["plane"] = out.plane
-                if out.nbytes != want.nbytes or digest(out.data) != digest(want):
-                    res["bytes_ok"] = False
-            del outs
-            res["version"] = getattr(node.session(addr), "version", None)
-        except Exception as e:  # noqa: BLE001
-            res = {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
-                   "trace": traceback.format_exc()[-800:]}
-        res["seconds"] = time.monotonic() - t0
-        return res
-
-    def op_consumer_fetch(self, cmd: dict) -> dict:
-        node, spec = self.nodes[cmd["id"]], self.specs[cmd["id"]]
-        entry = Entry(**cmd["entry"])
-        want = rows_for(entry, spec.block_bytes)
-        timeout_s = float(cmd["timeout_s"])
-        t0 = time.monotonic()
-        try:
-            if spec.impl == VLLM_STOCK:
-                p = cmd["producer"]
-                out = node.fetch((p["host"], int(p["port"])), entry.mm_hash, entry.rows,
-                                 timeout_s=timeout_s)
-                res = {"outcome": f"vllm:{out.state}", "plane": "vllm-nixl",
-                       "retries": out.retries}
-                if out.data is not None:
-                    res["bytes_ok"] = digest(out.data) == digest(want)
-                    if res["bytes_ok"]:
-                        res["outcome"] = "ok"
-            else:
-                if spec.impl == VLLM_WIRE:
-                    out = node.fetch(self._address(cmd, spec), entry.mm_hash, want.nbytes,
-                                     timeout_s=timeout_s)
-                else:
-                    out = node.fetch(self._address(cmd, spec), entry.mm_hash, timeout_s=timeout_s)
-                if out.ok:
-                    ok_bytes = out.nbytes == want.nbytes and digest(out.data) == digest(want)
-                    res = {"outcome": "ok", "plane": out.plane, "bytes_ok": ok_bytes,
-                           "nbytes": out.nbytes}
-                    del out
-                else:
-                    res = {"outcome": f"miss:{out.reason.name}", "detail": out.detail}
-        except Exception as e:  # noqa: BLE001
-            res = {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
-                   "trace": traceback.format_exc()[-800:]}
-        res["seconds"] = time.monotonic() - t0
-        return res
-
-    def op_stats(self, cmd: dict) -> dict:
-        node = self.nodes.get(cmd["id"])
-        stats = node.stats() if node is not None and hasattr(node, "stats") else {}
-        return {"outcome": "ok", "stats": {k: int(v) for k, v in stats.items()}}
-
-    def op_close(self, cmd: dict) -> dict:
-        node = self.nodes.pop(cmd["id"], None)
-        self.specs.pop(cmd["id"], None)
-        if node is not None:
-            try:
-                node.close()
-            except Exception as e:  # noqa: BLE001
-                return {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300]}
-        return {"outcome": "ok"}
-
-    def close_all(self) -> None:
-        for nid in list(self.nodes):
-            self.op_close({"id": nid})
+    @staticmethod
+    def _producer(cmd: dict[str, Any]) -> dict[str, Any]:
+        p = field(cmd, "producer", dict)
+        field(p, "host", str)
+        port = field(p, "port", int)
+        if not 0 < port < 65536:
+            raise BadRequest(f"producer.port {port} out of range")
+        field(p, "public_key", str, default=None, nullable=True)
+        return p
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+OPS = ("hello", "vectors", "start", "put", "announce", "connect", "fetch", "fetch_many", "stats",
+       "close")
 
 
 def main() -> int:
@@ -305,27 +195,20 @@ def main() -> int:
     sys.stdout = sys.stderr
     logging.basicConfig(level=os.environ.get("INTEROP_LOG", "WARNING"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    w = Worker()
-    ops = {"hello": w.op_hello, "vectors": w.op_vectors, "producer.start": w.op_producer_start,
-           "consumer.open": w.op_consumer_open, "consumer.connect": w.op_consumer_connect,
-           "consumer.fetch": w.op_consumer_fetch,
-           "consumer.fetch_many": w.op_consumer_fetch_many, "stats": w.op_stats,
-           "close": w.op_close}
+    a = Adapter()
     for line in sys.stdin:
         if not line.strip():
             continue
-        cmd = json.loads(line)
-        if cmd.get("op") == "exit":
-            break
         try:
-            res = ops[cmd["op"]](cmd)
-        except Exception as e:  # noqa: BLE001 - a harness bug must still answer
-            res = {"outcome": f"error:{type(e).__name__}", "detail": str(e)[:300],
-                   "trace": traceback.format_exc()[-1500:]}
-        res["seq"] = cmd.get("seq")
-        proto.write(json.dumps(res, default=str) + "\n")
-    w.close_all()
-    proto.write(json.dumps({"outcome": "ok", "bye": True}) + "\n")
+            cmd = json.loads(line)
+        except json.JSONDecodeError:
+            cmd = None
+        if isinstance(cmd, dict) and cmd.get("op") == "exit":
+            a.nodes.close_all()
+            proto.write(encode_line({"seq": cmd.get("seq"), "outcome": "ok", "bye": True}))
+            return 0
+        proto.write(encode_line(a.handle(line)))
+    a.nodes.close_all()
     return 0
 
 

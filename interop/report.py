@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from interop.harness import CellResult
+from interop.tables import markdown, tables
 
 
 def _cell_json(r: CellResult, mode: str) -> dict[str, Any]:
@@ -27,21 +29,36 @@ def _cell_json(r: CellResult, mode: str) -> dict[str, Any]:
     }
 
 
+def _impl_json(i: Any) -> dict[str, Any]:
+    caps = i.caps or {}
+    return {"name": i.name, "origin": i.origin, "axis": i.axis, "unavailable": i.unavailable,
+            "impl": caps.get("impl"), "roles": caps.get("roles", []),
+            "versions": caps.get("versions", []), "planes": caps.get("planes", []),
+            "features": caps.get("features", []), "libs": caps.get("libs", {})}
+
+
 def _esc(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
 def write(results: list[CellResult], out_dir: Path, *, mode: str, mode_reason: str, full: bool,
           versions: dict[str, dict[str, str]], wall_s: float,
-          extra: list[str]) -> tuple[Path, Path]:
+          extra: list[str], impls: Sequence[Any] = ()) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.md`` under ``out_dir``; their paths.
+
+    ``impls``: the run's :class:`~interop.impls.Impl` objects (name, origin, what their adapter
+    declared, or why they could not run), listed in both files."""
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     passed = sum(r.passed for r in results)
     skipped = [r for r in results if r.skipped]
     failed = [r for r in results if not r.passed and not r.skipped]
+    tabs = tables(results)
     data = {"date": now, "matrix": "full" if full else "reduced", "topology": mode,
             "topology_note": mode_reason, "host": platform.platform(), "versions": versions,
             "wall_s": round(wall_s, 1), "cells": len(results), "passed": passed,
             "skipped": len(skipped), "deviations": len(failed), "notes": extra,
+            "implementations": [_impl_json(i) for i in impls],
+            "tables": tabs,
             "results": [_cell_json(r, mode) for r in results]}
     jpath = out_dir / "report.json"
     jpath.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
@@ -58,7 +75,20 @@ def write(results: list[CellResult], out_dir: Path, *, mode: str, mode_reason: s
         lines.append(f"- `{k}`: " + ", ".join(f"{n} {x}" for n, x in sorted(v.items())))
     for n in extra:
         lines.append(f"- {n}")
-    lines += ["", "Outcomes: `ok` = bytes verified (SHA-256) or connected; `miss:R` = "
+    if impls:
+        lines += ["", "## Implementations", "", "| implementation | what | roles | ECTP | planes | "
+                  "features |", "|---|---|---|---|---|---|"]
+        for i in impls:
+            j = _impl_json(i)
+            if j["unavailable"]:
+                lines.append(f"| `{j['name']}` | {_esc(j['origin'])} | unavailable: "
+                             f"{_esc(j['unavailable'])[:200]} | | | |")
+                continue
+            lines.append(f"| `{j['name']}` | {_esc(j['origin'])} | {', '.join(j['roles'])} | "
+                         f"{', '.join(map(str, j['versions']))} | {', '.join(j['planes'])} | "
+                         f"{', '.join(j['features'])} |")
+    lines += ["", *markdown(tabs)]
+    lines += ["", "## Cells", "", "Outcomes: `ok` = bytes verified (SHA-256) or connected; `miss:R` = "
               "`Miss(reason=R)`; `error:E` = exception `E` raised; `refused:E` = the node could "
               "not start (`E`); `vllm:*` = the state vLLM's own ConsumerSession ended in. "
               "`v2*` = an emulated version claim. `ok via P`: the step must have used plane "

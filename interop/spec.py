@@ -46,7 +46,11 @@ class NodeSpec:
         framework: the framework the node claims to be (reported and checked against the process).
         region_bytes / budget_bytes: producer region and per-consumer pin budget.
         profile: ``vllm-wire`` opt-in for VLLM_WIRE nodes (None = no opt-in).
-        options: extra constructor kwargs (``control_options``, ``session_options``, ...).
+        options: implementation-specific settings, sent as the description's ``ext.options``
+            (ectransport nodes: overrides per settings section, e.g. ``{"control_client":
+            {"handshake_timeout_s": 5.0}}``; vLLM-wire nodes: constructor keywords).
+        adapter: the implementation that runs the node (``interop.impls``; "" = by ``impl``:
+            vLLM's own classes for ``vllm-stock``, this tree otherwise).
     """
 
     role: str
@@ -68,6 +72,7 @@ class NodeSpec:
     budget_bytes: int | None = None
     profile: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    adapter: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,7 +94,7 @@ class NodeSpec:
 
     def brief(self) -> str:
         """A short label for the report."""
-        bits = [self.impl if self.impl != ECTP else "ect"]
+        bits = [self.adapter or (self.impl if self.impl != ECTP else "ect")]
         if self.impl == ECTP:
             bits.append("+".join(self.planes))
             if self.versions:

@@ -3,7 +3,9 @@
 from ectransport.protocol.codec import MAX_FRAME_BYTES, FrameError, decode, encode
 from ectransport.protocol.compat import LAYOUT_ROW, compat_hash, element_size
 from ectransport.protocol.messages import (
+    FEATURE_DONES,
     FEATURE_OFFERS,
+    FEATURE_RENEW_ACK,
     KINDS,
     MAX_BATCH_ITEMS,
     MAX_INLINE_BYTES,
@@ -24,6 +26,7 @@ from ectransport.protocol.messages import (
     OfferItem,
     Parked,
     Renew,
+    RenewAck,
     ReqBatch,
     ReqItem,
     Sync,
@@ -36,8 +39,8 @@ from ectransport.protocol.messages import (
 from ectransport.protocol.status import RETRYABLE, Status
 
 __all__ = [
-    "FEATURE_OFFERS", "KINDS", "LAYOUT_ROW", "Offer", "OfferItem", "Sync", "Ticket", "DoneBatch", "DoneItem", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
+    "FEATURE_DONES", "FEATURE_OFFERS", "KINDS", "LAYOUT_ROW", "Offer", "OfferItem", "Sync", "Ticket", "DoneBatch", "DoneItem", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
     "PROTOCOL_MAJOR", "RETRYABLE", "SINCE", "SUPPORTED_VERSIONS", "AckBatch", "AckItem",
-    "AnyMessage", "ReqBatch", "ReqItem", "FrameError", "Grant", "Hello", "Message", "Nack", "Parked", "Renew", "Status", "Welcome",
+    "AnyMessage", "ReqBatch", "ReqItem", "FrameError", "Grant", "Hello", "Message", "Nack", "Parked", "Renew", "RenewAck", "Status", "Welcome",
     "XferAck", "XferDone", "XferReq", "compat_hash", "decode", "element_size", "encode",
 ]

@@ -1,5 +1,5 @@
 """ECTP wire messages (msgspec Structs, msgpack maps, tagged by ``"k"``): v1's, and the frames
-of v2 (``ReqBatch`` / ``AckBatch`` / ``Parked`` / ``Sync`` / ``Offer``, refused below v2:
+of v2 (``ReqBatch`` / ``AckBatch`` / ``Parked`` / ``Sync`` / ``Offer`` / ``RenewAck``, refused below v2:
 :data:`SINCE`), and the :class:`Ticket` a producer's announcement carries through the
 orchestrator.
 
@@ -297,6 +297,10 @@ class DoneBatch(Message, frozen=True, tag="dones"):
 
 #: ``Hello.features`` / ``Welcome.features``: pushed offers of announced entries (ECTP v2 §10).
 FEATURE_OFFERS = "offers"
+#: ``Welcome.features``: the producer takes ``DoneBatch`` frames (ECTP v2 §4.4). A consumer sends
+#: one only to a producer that says so: the first v2 releases refused it (an unknown kind), and
+#: their grants then stayed pinned to the end of their leases.
+FEATURE_DONES = "dones"
 #: Longest validity an ``Offer`` item may claim, seconds (as the longest lease a consumer takes).
 MAX_OFFER_VALID_S = 86400.0
 
@@ -335,6 +339,27 @@ class Offer(Message, frozen=True, tag="offer"):
     items: Annotated[list[OfferItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
+#: ``Hello.features`` / ``Welcome.features``: confirmed lease renewals (ECTP v2 §11): the
+#: producer answers every ``Renew`` of the session with a ``RenewAck``.
+FEATURE_RENEW_ACK = "renew_ack"
+#: Longest extension a ``RenewAck`` may state, seconds (as the longest lease a consumer takes).
+MAX_RENEW_S = 86400.0
+
+
+class RenewAck(Message, frozen=True, tag="renew_ack"):
+    """v2. Producer → consumer, on a session granted ``"renew_ack"``: the answer to one
+    ``Renew`` (every ``Renew`` of such a session is answered, in the order received; ECTP v2
+    §11). ``grant_ids``: the grants that ``Renew`` named which are live, in its order; the lease
+    of each now runs at least ``extend_s`` seconds past the moment the producer *received* that
+    ``Renew``. ``extend_s``: the extension applied, ``min(Renew.extend_s, lease_s)``. The
+    consumer counts the extension from when it *sent* the ``Renew`` (a moment that precedes the
+    producer's), never from this frame's arrival."""
+
+    session_id: SessionId
+    grant_ids: Annotated[list[GrantId], msgspec.Meta(max_length=4096)]
+    extend_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RENEW_S)]
+
+
 class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a producer's announcement of ``mm_hash`` carries through the orchestrator (e.g. in
     vLLM's ``ec_transfer_params``) besides the producer's address: the producer's node id and
@@ -351,14 +376,15 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 AnyMessage = (Hello | Welcome | XferReq | XferAck | XferDone | Renew | Nack | ReqBatch | AckBatch
-              | Parked | Sync | Offer | DoneBatch)
+              | Parked | Sync | Offer | DoneBatch | RenewAck)
 
 #: tag → class, for the first decoding phase and for docs/tests.
 KINDS: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (Hello, Welcome, XferReq, XferAck, XferDone, Renew, Nack, ReqBatch, AckBatch,
-                Parked, Sync, Offer, DoneBatch)
+                Parked, Sync, Offer, DoneBatch, RenewAck)
 }
 #: tag → the protocol version that introduced it; a frame of that kind with an older ``v`` is
 #: refused (NACK_VERSION), so a v1 session never sees v2 frames, whatever ``v`` they claim.
-SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2, "sync": 2, "offer": 2, "dones": 2}
+SINCE: dict[str, int] = {"reqs": 2, "acks": 2, "park": 2, "sync": 2, "offer": 2, "dones": 2,
+                         "renew_ack": 2}

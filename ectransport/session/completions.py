@@ -1,7 +1,8 @@
 """A consumer session's completions: ``XferDone`` (a grant completed, or given back).
 
 On ECTP v1 each leaves at once. On v2 the completions of one step are queued and leave together
-(:meth:`Completions.flush`: one ``XferDone`` for one, a ``DoneBatch`` per 64 for more) — always
+(:meth:`Completions.flush`: one ``XferDone`` for one, a ``DoneBatch`` per 64 for more — or one
+``XferDone`` each to a producer whose Welcome did not say it takes ``DoneBatch``) — always
 before a request of the same step, since a grant given back must reach the producer before a
 request for the same entry (else the producer would answer that live grant again, whose lease
 began before this request, and the validity window would not hold).
@@ -19,6 +20,8 @@ class Completions:
     def __init__(self, conn: str, session_id: str):
         self.conn = conn
         self.session_id = session_id
+        #: the producer takes DoneBatch frames (its Welcome said ``"dones"``)
+        self.batched = False
         self._queued: list[DoneItem] = []
 
     def add(self, mm_hash: str, grant_id: int, ok: bool, version: int) -> list[Command]:
@@ -36,11 +39,10 @@ class Completions:
         items, self._queued = self._queued, []
         if not items or version is None:
             return []
-        if len(items) == 1:
-            it = items[0]
+        if len(items) == 1 or not self.batched:
             return [Send(self.conn, encode(XferDone(v=version, session_id=self.session_id,
                                                     mm_hash=it.mm_hash, grant_id=it.grant_id,
-                                                    ok=it.ok)))]
+                                                    ok=it.ok))) for it in items]
         return [Send(self.conn, encode(DoneBatch(v=version, session_id=self.session_id,
                                                  items=items[i:i + MAX_BATCH_ITEMS])))
                 for i in range(0, len(items), MAX_BATCH_ITEMS)]

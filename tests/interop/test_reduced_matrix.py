@@ -38,7 +38,7 @@ def test_reduced_matrix_has_no_deviation(tmp_path, mode):
     if mode == "loopback":
         # the topology-dependent cells (shm is negotiated in one namespace, skipped across), on
         # 127.0.0.N addresses with N != 1 for every plane, quickly
-        argv += ["--only", "planes", "--no-vllm"]
+        argv += ["--only", "planes", "--no-vllm", "--no-releases", "--no-c-client"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -57,3 +57,35 @@ def test_reduced_matrix_has_no_deviation(tmp_path, mode):
         from interop.netns import list_namespaces
 
         assert not [n for n in list_namespaces() if n.startswith(f"ecti-{proc.pid}-")]
+
+
+def test_reduced_cross_matrix_with_the_c_client_and_a_release(tmp_path, c_client):
+    """Implementation × implementation cells (issue 25), on loopback addresses so that it runs
+    without root: this tree, the last v1-only release (built into its own venv, cached) and the
+    independent C consumer, every pair in both directions where it has the role."""
+    from interop.impls import C_CLIENT, HEAD, LAST_V1
+    from interop.venvs import BuildError, resolve_revision
+
+    try:
+        resolve_revision(LAST_V1)
+    except BuildError:
+        pytest.skip(f"revision {LAST_V1} is not in this clone (a shallow checkout?)")
+    argv = [sys.executable, "-m", "interop", "--out", str(tmp_path), "--loopback",
+            "--cross-only", "--no-vllm"]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=840)
+    report = json.loads((tmp_path / "report.json").read_text())
+    bad = [(c["name"], c["deviations"]) for c in report["results"] if c["deviations"]]
+    assert r.returncode == 0 and not bad, (bad, r.stderr[-3000:])
+    impls = {i["name"]: i for i in report["implementations"]}
+    release = f"ectransport@{LAST_V1}"
+    for name in (HEAD, release, C_CLIENT):
+        assert not impls[name]["unavailable"], impls[name]
+    assert impls[release]["versions"] == [1] and impls[C_CLIENT]["roles"] == ["consumer"]
+    t = report["tables"]
+    for group in ("handshake", "transfer", "negotiate", "auth", "layout"):
+        pairs = t[group]["pairs"]
+        assert pairs[HEAD][C_CLIENT]["passed"] >= 1, group
+        assert pairs[HEAD][release]["passed"] >= 1 and pairs[release][HEAD]["passed"] >= 1, group
+        assert C_CLIENT not in pairs  # a consumer-only client has no producer row
+    md = (tmp_path / "report.md").read_text()
+    assert "## Implementation × implementation" in md and "**DEVIATION**" not in md

@@ -614,3 +614,28 @@ def test_with_the_producer_session_a_parked_item_outlives_the_ack_timeout():
             c.on_frame(cmd.data, 7.0)
     assert c.fetch_states()["never"] is FetchState.BACKOFF
     assert c.ignored == {}
+
+
+@pytest.mark.parametrize("dones", [True, False])
+def test_completions_are_batched_only_for_a_producer_that_takes_donebatch(dones):
+    """A producer's Welcome says whether it takes DoneBatch (``features: ["dones"]``); to one
+    that does not (the first v2 releases refused the frame, and its grants then stayed pinned to
+    the end of their leases) the step's completions leave as one XferDone each."""
+    c = make_consumer(versions=V2, inline_max_bytes=0)
+    c.on_up(0.0)
+    w = Welcome(v=2, session_id=c.session_id, node_id="p", status=Status.OK, version=2,
+                plane="nixl", versions=[1, 2], planes=["nixl"], compat_hash=COMPAT, detail="",
+                endpoint=b"e", features=["dones"] if dones else [])
+    bound(c, c.on_frame(encode(w), 0.0), 0.0)
+    b = the_batch(c.fetch_many(["a", "b", "c"], 0.0, 10.0))
+    c.on_frame(acks(c, b.batch_id, ok("a", 1), ok("b", 2), ok("c", 3)), 0.01)
+    for mm in ("a", "b", "c"):
+        c.on_read_posted(mm, f"H{mm}", 0.02)
+        c.on_read_state(mm, "done", 0.03)
+    sent = frames(c.poll(0.03))
+    if dones:
+        (db,) = sent
+        assert isinstance(db, DoneBatch) and [i.mm_hash for i in db.items] == ["a", "b", "c"]
+    else:
+        assert [type(x) for x in sent] == [XferDone] * 3, sent
+        assert [x.mm_hash for x in sent] == ["a", "b", "c"] and all(x.ok for x in sent)

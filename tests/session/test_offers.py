@@ -10,6 +10,7 @@ import random
 import pytest
 
 from ectransport.protocol import (
+    FEATURE_DONES,
     FEATURE_OFFERS,
     Grant,
     Hello,
@@ -80,10 +81,10 @@ def welcomed(p, peer="peer", t_sync=None, now=0.0, **kw):
 # -- producer --------------------------------------------------------------------------------------
 def test_offers_are_granted_only_to_v2_sessions_of_the_hold_plane_that_ask():
     p, _ = producer(planes=("nixl", "tcp"))
-    assert welcomed(p, "a").features == [FEATURE_OFFERS]
-    assert welcomed(p, "b", sid="b" * 8, features=()).features == []
-    assert welcomed(p, "c", sid="c" * 8, versions=(1,)).features == []
-    assert welcomed(p, "d", sid="d" * 8, planes=("tcp",)).features == []  # a push plane
+    assert welcomed(p, "a").features == [FEATURE_DONES, FEATURE_OFFERS]
+    assert welcomed(p, "b", sid="b" * 8, features=()).features == [FEATURE_DONES]
+    assert welcomed(p, "c", sid="c" * 8, versions=(1,)).features == []  # v1: no DoneBatch
+    assert welcomed(p, "d", sid="d" * 8, planes=("tcp",)).features == [FEATURE_DONES]  # push
     # a Sync on a session not granted offers is refused, and changes nothing
     (n,) = frames(p.on_frame("b", encode(Sync(v=2, session_id="b" * 8, t=1.0)), 0.0))
     assert isinstance(n, Nack) and n.status is Status.NACK_BAD_REQUEST
