@@ -17,7 +17,9 @@ cores); otherwise it waits in the control poll until the next deadline (at most
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -82,6 +84,7 @@ class IoLoop:
         self.driver.parts.close()
 
     def _run(self) -> None:
+        _fine_timer_slack()
         d = self.driver
         while not self._stop.is_set():
             try:
@@ -96,6 +99,18 @@ class IoLoop:
             d.shutdown()
         except Exception:  # pragma: no cover - reported, the resources still close
             log.exception("consumer shutdown failed")
+
+
+def _fine_timer_slack() -> None:
+    """Let this thread's short sleeps end on time: Linux rounds a sleep up by the thread's timer
+    slack (50 µs by default), which made the busy loop's 50 µs sleep take about 120 µs here
+    (prctl PR_SET_TIMERSLACK to 1 µs: 73 µs). Elsewhere, or if refused, nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, ns
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbol
+        pass
 
 
 def result_or_miss(loop: IoLoop, fut: Future[T], deadline: float, miss: T) -> T:

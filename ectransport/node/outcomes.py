@@ -107,16 +107,16 @@ class Outcomes:
         for w in self._waiters.pop((conn, outcome.mm_hash), []):
             if w.future.done():
                 continue
-            self.resolved += 1
             if w.held:
                 self.store.pin_if_ready(e.mm_hash)
-                w.future.set_result(Held(outcome.mm_hash, e.runs, e.nbytes, self.store.block_bytes,
-                                         e.mm_hash, e.entry_id, outcome.plane, timings))
+                self._ready.append((w, Held(outcome.mm_hash, e.runs, e.nbytes,
+                                            self.store.block_bytes, e.mm_hash, e.entry_id,
+                                            outcome.plane, timings)))
             else:
                 if copy is None:
                     copy = Fetched(outcome.mm_hash, self.region.read(e.runs, e.nbytes),
                                    self.layout, outcome.plane, timings)
-                w.future.set_result(copy)
+                self._ready.append((w, copy))
         entry = self.store.get(e.mm_hash)
         if entry is not None and entry.entry_id == e.entry_id and entry.pins == 0:
             self.store.discard(e.mm_hash)  # no Held was handed out after all
