@@ -40,8 +40,11 @@ class EctPath:
         # landing region: max_k[i] entries of size i in flight, plus one being given back
         need = max(-(-sizes[i] // BLOCK) * (k + 1) for i, k in max_k.items())
         with nixl_env() if plane == "nixl" else contextlib.nullcontext():
-            kw = {} if versions is None else {"versions": versions}
-            self.node = ConsumerNode(layout=Layout(hidden=HIDDEN), security=sec, **kw, settings=ConsumerSettings(region_bytes=need * BLOCK + BLOCK, fetch_timeout_s=60.0), node=NodeSettings(planes=(plane,)))
+            node = NodeSettings(planes=(plane,)) if versions is None else \
+                NodeSettings(planes=(plane,), versions=versions)
+            self.node = ConsumerNode(
+                layout=Layout(hidden=HIDDEN), security=sec, node=node,
+                settings=ConsumerSettings(region_bytes=need * BLOCK + BLOCK, fetch_timeout_s=60.0))
         self.node.connect(self.addr, timeout_s=30.0)
         self.transport = self.node.plane_transports().get(plane, plane)
         self.rtts: list[float] = []

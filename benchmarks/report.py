@@ -836,6 +836,16 @@ def _ttft_section() -> list[str]:
     return ["## End to end in vLLM: consumer time to first token (issue 14)", "", *parts, ""]
 
 
+def _fleet_section() -> list[str]:
+    """``## Fleet directory and churn``: the separate runs of ``benchmarks/fleet.py`` and
+    ``benchmarks/churn.py``, from ``benchmarks/FLEET.md``."""
+    notes = Path(__file__).resolve().parent / "FLEET.md"
+    if not notes.exists():
+        return []
+    return ["## Fleet directory and capacity under churn (issue 24)", "",
+            notes.read_text().strip(), ""]
+
+
 def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
     m = res["meta"]
     def rel(p: Path) -> str:
@@ -893,6 +903,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
     out += _vllm_section(res)
     out += _scope_section(res)
     out += _ttft_section()
+    out += _fleet_section()
     out += ["## Latency per path (one at a time)", ""]
     lrows = []
     for size, paths in res["latency"].items():

@@ -144,7 +144,8 @@ class SecuritySettings(_Section, frozen=True):
     )] = None
     allow_dir: Annotated[Text | None, doc(
         "producer: directory of allowed consumer public keys, reloaded on change and on "
-        "SIGHUP (required for a non-loopback bind)", path=True,
+        "SIGHUP (required for a non-loopback bind unless [trust] admits by certificate)",
+        path=True,
     )] = None
     server_key: Annotated[Text | None, doc(
         "consumer: the producer's public key (Z85 text or a public key file path)"
@@ -166,7 +167,7 @@ class TrustSettings(_Section, frozen=True):
     )] = ()
     cert_file: Annotated[Text | None, doc(
         "this node's certificate (`ectransport keys issue`), shown to peers in Hello/Welcome; "
-        "it must be for this node's CURVE key", path=True,
+        "it must be for this node's CURVE key", path=True, flag="--cert",
     )] = None
     revocation_file: Annotated[tuple[Text, ...], doc(
         "signed revocation list files (`ectransport keys revoke`; one per CA, or several lists "
@@ -212,14 +213,15 @@ class ProducerSettings(_Section, frozen=True):
         cli=Differs(GiB, "`serve` encodes and holds a whole image folder; what it always used"),
     )] = 256 * MiB
     lease_s: Annotated[float, doc(
-        "pin lease of a grant, s (as vLLM's ECCPUConnector)", ge=0.1
-    )] = 30.0
+        "pin lease of a grant, s; consumers renew it while a read is in flight (ECTP v2 "
+        "RenewAck), so a dead consumer's pins return within lease + grace", ge=0.1
+    )] = 5.0
     budget_bytes: Annotated[PosInt | None, doc(
         "most bytes one consumer may have pinned, bytes; unset = a quarter of the region"
     )] = None
     grace_s: Annotated[float, doc(
         "blocks of a grant that ended unconfirmed stay pinned this long more (READ planes), s", ge=0
-    )] = 5.0
+    )] = 2.0
     max_wait_s: Annotated[float, doc(
         "ECTP v2: a batched request for a reserved entry waits this long at most for its commit "
         "before NACK_NOT_READY (caps the consumer's wait), s; 0 = never wait", ge=0, le=60,
@@ -238,6 +240,11 @@ class ProducerSettings(_Section, frozen=True):
         "an entry is announced without a hold and fetched with a request; 0 = never hold",
         ge=0, le=1,
     )] = 0.25
+    broadcast_offers: Annotated[bool, doc(
+        "ECTP v2: an announcement that names no consumer is offered to every consumer session "
+        "that takes offers; false: only to the consumers announcements name "
+        "(ProducerNode.announce(to=...)), the others fetch with a request"
+    )] = True
     images: Annotated[Text | None, doc(
         "folder or file of images `serve`/`demo` encode at start-up; unset = the six "
         "bundled public-domain photographs", path=True,

@@ -33,6 +33,7 @@ FEATURES = frozenset({
     "announce",     # the announce op and fetch with a ticket
     "reserve",      # put with ready=false reserves an entry that never becomes ready
     "vectors",      # the vectors op (the golden-vector check of the node's own codec)
+    "trust",        # node.trust (fleet trust: CA files, certificate, admission) is honoured
 })
 ROLES = ("producer", "consumer")
 #: Outcome strings: ``ok``; ``miss:<REASON>`` (a fetch that did not land); ``error:<Class>``

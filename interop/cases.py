@@ -13,7 +13,8 @@ Groups (like the QUIC interop runner's test cases):
   negotiates down to it or refuses typed (``VersionError`` / ``miss:VERSION``);
 * ``auth``: an unknown client key, a wrong server key, a plain consumer against a CURVE
   producer: ``AuthError`` / ``miss:AUTH``, never a downgrade;
-* ``layout``: another row width: ``ProtocolError`` / ``miss:INCOMPATIBLE`` before any grant.
+* ``layout``: another row width: ``ProtocolError`` / ``miss:INCOMPATIBLE`` before any grant;
+* ``trust``: node certificates from a deployment CA (:mod:`interop.trust_cases`).
 
 What each implementation supports is what its adapter declared in ``hello`` (roles, versions,
 planes, features); a pair gets a group only where both sides support it, so every cell has a
@@ -26,6 +27,7 @@ from __future__ import annotations
 from interop.impls import HEAD, Impl
 from interop.matrix import CONSUMER_OPTIONS, E0, E1, E2, E3, C, P, fetches
 from interop.spec import Cell, Entry, Expect, NodeSpec, Step, ok
+from interop.trust_cases import trust_cells
 
 GROUPS = ("handshake", "transfer", "batch", "negotiate", "auth", "layout")
 #: Groups the library axis runs (a few cells per venv).
@@ -162,9 +164,11 @@ def _auth(pi: Impl, ci: Impl, who: str) -> list[Cell]:
 
 
 def cross_cells(impls: list[Impl], *, full: bool) -> list[Cell]:
-    """Every pair's cells (:func:`pair_cells`); the library axis runs :data:`LIB_GROUPS`."""
+    """Every pair's cells (:func:`pair_cells`); the library axis runs :data:`LIB_GROUPS`;
+    then the fleet-trust cells of the pairs (group ``trust``, :mod:`interop.trust_cases`)."""
     out: list[Cell] = []
-    for pi, ci in pairs([i for i in impls if i.caps and "ectransport" in i.kinds]):
+    run = pairs([i for i in impls if i.caps and "ectransport" in i.kinds])
+    for pi, ci in run:
         groups = LIB_GROUPS if "lib" in (pi.axis, ci.axis) else GROUPS
         out += pair_cells(pi, ci, full=full, groups=groups)
-    return out
+    return out + trust_cells(run, full=full)

@@ -2,7 +2,8 @@
 
 A step deviates when its observed outcome is not one of the allowed ones, when ``ok`` comes
 without verified bytes, or when the expected plane differs from the plane used (or the node did
-not report one). In particular a step that *works* where a refusal was expected is a deviation,
+not report one), or when a refusal's detail lacks the text expected (``Expect.detail``: the
+reason a fleet-trust refusal names). In particular a step that *works* where a refusal was expected is a deviation,
 never a pass, and so is one that works over another plane than the one negotiation must pick.
 """
 
@@ -35,6 +36,9 @@ def deviation(expect: Expect, obs: Observed, mode: str) -> str | None:
         return f"observed {obs.outcome}, expected {'|'.join(allowed)}"
     if obs.outcome == "ok" and obs.bytes_ok is False:
         return "bytes differ from the producer's"
+    if expect.detail and obs.outcome != "ok" and expect.detail not in obs.detail:
+        return f"{obs.outcome} with detail {obs.detail[:120]!r}, expected it to contain " \
+               f"{expect.detail!r}"
     plane = expect.plane_for(mode)
     if plane and obs.outcome == "ok" and obs.plane != plane:
         return f"plane {obs.plane or '(not reported)'}, expected {plane}"

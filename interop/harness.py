@@ -7,6 +7,7 @@ next command for that slot.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from interop.adapter import expected_sha256
+from interop.certs import CellFleet, trust_step
 from interop.expect import Observed, deviation, outcome_of
 from interop.impls import HEAD, VLLM, Impl
 from interop.netns import Topology
@@ -214,8 +216,10 @@ class Harness:
         self.topo.close()
 
     # -- node descriptions (ADAPTER.md §2) ----------------------------------------------------
-    def node_json(self, spec: NodeSpec, *, host: str = "", port: int = 0) -> dict[str, Any]:
-        """``spec`` as an adapter node description, its key names resolved to keys."""
+    def node_json(self, spec: NodeSpec, *, host: str = "", port: int = 0,
+                  fleet: CellFleet | None = None) -> dict[str, Any]:
+        """``spec`` as an adapter node description, its key names resolved to keys and its
+        trust names to the files of the cell's ``fleet``."""
         d: dict[str, Any] = {
             "role": spec.role, "planes": list(spec.planes),
             "versions": list(spec.versions) if spec.versions else None, "curve": spec.curve,
@@ -228,6 +232,14 @@ class Harness:
             d["public_key"], d["secret_key"] = self.keys[spec.key]
         if spec.role == "producer":
             d.update(host=host, port=port, allow=[self.keys[k][0] for k in spec.allow])
+            if spec.bind and self.topo.mode == "netns":
+                # e.g. 0.0.0.0 of the slot's own namespace, consumers dial the slot's address;
+                # on loopback (the root namespace) the slot's address is bound instead
+                d.update(host=spec.bind, advertise_host=host)
+        if spec.trust is not None:
+            if fleet is None:
+                raise ValueError(f"{spec.role} has a trust spec but the cell has no fleet")
+            d["trust"] = fleet.trust_json(spec.trust)
         return d
 
     def producer_for(self, spec: NodeSpec, prod: dict[str, Any]) -> dict[str, Any]:
@@ -253,14 +265,19 @@ class Harness:
                 return res
         t0 = time.monotonic()
         opened: list[tuple[NodeProc, str]] = []
+        fleet: CellFleet | None = None
         try:
-            self._run(cell, res, opened)
+            if cell.certs or any(n.trust for n in (cell.producer, *cell.consumers)):
+                fleet = CellFleet(cell, self.keys)
+            self._run(cell, res, opened, fleet)
         except Exception as e:  # noqa: BLE001 - a harness failure is this cell's deviation
             res.notes.append(f"DEVIATION harness error: {type(e).__name__}: {e}")
         finally:
             for p, nid in reversed(opened):
                 if p.alive():
                     p.call("close", 30.0, id=nid)
+            if fleet is not None:
+                fleet.close()
             res.seconds = time.monotonic() - t0
         return res
 
@@ -292,7 +309,7 @@ class Harness:
             return True
         return passed
 
-    def _run(self, cell: Cell, res: CellResult, opened: list) -> None:
+    def _run(self, cell: Cell, res: CellResult, opened: list, fleet: CellFleet | None) -> None:
         mode = self.topo.mode
         pspec = cell.producer
         pid = f"p{next(self._ids)}"
@@ -305,12 +322,15 @@ class Harness:
             if not self._vector_gate(pspec, pp, res, "producer"):
                 return Observed("refused:VectorCheckFailed", detail=res.vectors["producer"])
             r = pp.call("start", 120.0, id=pid,
-                        node=self.node_json(pspec, host=self.topo.address(pspec.host), port=port))
+                        node=self.node_json(pspec, host=self.topo.address(pspec.host), port=port,
+                                            fleet=fleet))
             if r.get("outcome") != "ok":
                 return outcome_of(r)
             opened.append((pp, pid))
             prod.update(host=r["host"], port=r["port"], public_key=r.get("public_key"))
             res.notes.append(f"producer planes: {r.get('transports')}")
+            if pspec.bind and mode == "netns":
+                res.notes.append(f"producer bound on {pspec.bind}, advertised {r['host']}")
             if cell.entries:
                 r = pp.call("put", 120.0, id=pid, entries=[e.__dict__ for e in cell.entries])
             return outcome_of(r)
@@ -328,7 +348,8 @@ class Harness:
             if not self._vector_gate(cspec, cp, res, f"consumer{i}"):
                 obs = Observed("refused:VectorCheckFailed", detail=res.vectors[f"consumer{i}"])
             else:
-                obs = outcome_of(cp.call("start", 120.0, id=cid, node=self.node_json(cspec)))
+                obs = outcome_of(cp.call("start", 120.0, id=cid,
+                                         node=self.node_json(cspec, fleet=fleet)))
             if obs.outcome != "ok":
                 res.steps.append(StepResult(Step("open_consumer", i), obs, "ok",
                                             deviation(Expect(("ok",)), obs, mode)))
@@ -342,8 +363,13 @@ class Harness:
                 opened[:] = [(p, n) for p, n in opened if n != pid]
                 res.steps.append(StepResult(step, Observed("ok"), "ok", None))
                 continue
-            if step.op == "start_producer":
-                obs = start_producer(prod["port"])
+            if step.op in ("start_producer", "revoke", "wait", "no_grants"):
+                if step.op == "start_producer":
+                    obs = start_producer(prod["port"])
+                else:
+                    live = pp if pp is not None and pp.alive() else None
+                    obs = trust_step(step, fleet, None if live is None else
+                                     functools.partial(live.call, "stats", 30.0, id=pid))
                 exp = step.expect or Expect(("ok",))
                 res.steps.append(StepResult(step, obs, exp.label(mode), deviation(exp, obs, mode)))
                 continue

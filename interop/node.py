@@ -122,6 +122,16 @@ class Adapter:
         field(desc, "planes", list)
         if role == "producer":
             field(desc, "host", str)
+            field(desc, "advertise_host", str, default=None, nullable=True)
+        trust = field(desc, "trust", dict, default=None, nullable=True)
+        if trust is not None:
+            for k in ("trust_ca", "revocation_file"):
+                v = field(trust, k, list, default=[])
+                if not all(isinstance(x, str) for x in v):
+                    raise BadRequest(f"node.trust.{k} must be a list of file names")
+            for k in ("cert_file", "present_cert"):
+                field(trust, k, str, default=None, nullable=True)
+            field(trust, "admission", str, default="allow_list")
         return self.nodes.start(nid, desc)
 
     def op_put(self, cmd: dict[str, Any]) -> dict[str, Any]:

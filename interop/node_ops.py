@@ -7,6 +7,11 @@ from an adapter node description (``interop/ADAPTER.md`` §2).
 venv). ``node.ext.options``: for ``ectransport`` nodes, settings overrides per section
 (``{"control_client": {"handshake_timeout_s": 5.0}}``; sections ``producer``, ``consumer``,
 ``control_client``, ``control_server``); for ``vllm-wire`` nodes, constructor keywords.
+``node.trust`` (ADAPTER.md §4, feature ``trust``): the node's ``[trust]`` settings
+(:class:`~ectransport.settings_schema.TrustSettings`), plus ``present_cert``: a certificate file
+the node presents as its own without its start-up check (a wrong-role or expired certificate,
+which a node refuses to start with: what a misconfigured or hostile peer sends).
+``node.advertise_host``: a producer bound to a wildcard ``host`` names this address.
 """
 
 from __future__ import annotations
@@ -76,8 +81,8 @@ class Nodes:
                                                                          "ectransport", "?"))},
                 "libs": lib_versions(), "pid": os.getpid(), "roles": ["producer", "consumer"],
                 "versions": list(SUPPORTED_VERSIONS), "planes": sorted(discover()),
-                "features": ["announce", "curve", "fetch_many", "plain", "reserve", "vectors",
-                             "versions"]}
+                "features": ["announce", "curve", "fetch_many", "plain", "reserve", "trust",
+                             "vectors", "versions"]}
 
     # -- start ------------------------------------------------------------------------------
     def start(self, nid: str, desc: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +115,39 @@ class Nodes:
         pub, sec = desc.get("public_key"), desc.get("secret_key")
         if producer:
             allowed = set(desc.get("allow") or ())
+            if not allowed and desc.get("trust"):  # certificates admit: no allow-list at all
+                return Security(public_key=pub, secret_key=sec)
             return Security(public_key=pub, secret_key=sec, allow=lambda k: k in allowed)
         return Security(public_key=pub, secret_key=sec)
+
+    @staticmethod
+    def _trust(desc: dict[str, Any]) -> dict[str, Any]:
+        """``{"trust": TrustSettings}`` of ``node.trust`` (``{}`` without one: the default)."""
+        t = desc.get("trust")
+        if t is None:
+            return {}
+        if not isinstance(t, dict):
+            raise TypeError(f"node.trust is {type(t).__name__}, expected an object")
+        from ectransport.settings_schema import TrustSettings
+
+        kw = {k: v for k, v in t.items() if k in TrustSettings.__struct_fields__}
+        for k in ("trust_ca", "revocation_file"):
+            if k in kw:
+                kw[k] = tuple(kw[k] or ())
+        return {"trust": TrustSettings(**kw)}
+
+    @staticmethod
+    def _present(desc: dict[str, Any], node: Any) -> None:
+        """``node.trust.present_cert``: that certificate is what the node shows from now on,
+        past the start-up check of its own certificate (module docstring)."""
+        path = (desc.get("trust") or {}).get("present_cert")
+        if not path:
+            return
+        from ectransport.trust.files import read_cert
+
+        if getattr(node, "trust", None) is None:
+            raise TypeError("present_cert needs the node's fleet trust (trust_ca)")
+        node.trust.admission.own_cert = read_cert(path)
 
     @staticmethod
     def _layout(desc: dict[str, Any]) -> Any:
@@ -148,13 +184,22 @@ class Nodes:
                 ProducerSettings,
             )
 
+            advertise = desc.get("advertise_host")
             node = ProducerNode(
                 layout=self._layout(desc), security=sec,
                 settings=ProducerSettings(region_bytes=region_bytes, host=host, port=port,
                                           budget_bytes=desc.get("budget_bytes"),
+                                          advertise_host=advertise,
                                           **opts.get("producer", {})),
                 node=self._node_settings(NodeSettings, desc),
-                control_settings=ControlServerSettings(**opts.get("control_server", {})))
+                control_settings=ControlServerSettings(**opts.get("control_server", {})),
+                **self._trust(desc))
+            try:
+                self._present(desc, node)
+            except BaseException:
+                node.close()
+                raise
+            host = advertise or host
         node.start()
         return node, {"host": host, "port": node.port, "public_key": node.public_key,
                       "transports": node.plane_transports()}
@@ -195,11 +240,18 @@ class Nodes:
             NodeSettings,
         )
 
-        return ConsumerNode(
+        node = ConsumerNode(
             layout=self._layout(desc), security=self._security(desc, False),
             settings=ConsumerSettings(region_bytes=region_bytes, **opts.get("consumer", {})),
             node=self._node_settings(NodeSettings, desc),
-            control_settings=ControlClientSettings(**opts.get("control_client", {})))
+            control_settings=ControlClientSettings(**opts.get("control_client", {})),
+            **self._trust(desc))
+        try:
+            self._present(desc, node)
+        except BaseException:
+            node.close()
+            raise
+        return node
 
     # -- producer ops -----------------------------------------------------------------------
     def put(self, node: Node, entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -51,6 +51,11 @@ class NodeSpec:
             {"handshake_timeout_s": 5.0}}``; vLLM-wire nodes: constructor keywords).
         adapter: the implementation that runs the node (``interop.impls``; "" = by ``impl``:
             vLLM's own classes for ``vllm-stock``, this tree otherwise).
+        trust: fleet trust of the node (:class:`TrustSpec`; None: no ``[trust]``).
+        bind: producer: the bind address when not the slot's own (``"0.0.0.0"``: every
+            interface of the slot's network namespace, the slot's address advertised to
+            consumers); "" = the slot's. Without namespaces (loopback topology) the slot's
+            address is bound: a wildcard would listen on the host's interfaces.
     """
 
     role: str
@@ -73,6 +78,8 @@ class NodeSpec:
     profile: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     adapter: str = ""
+    trust: TrustSpec | None = None
+    bind: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,6 +91,8 @@ class NodeSpec:
             d[k] = tuple(d.get(k) or ())
         if d.get("versions") is not None:
             d["versions"] = tuple(d["versions"])
+        if d.get("trust") is not None:
+            d["trust"] = TrustSpec.from_json(d["trust"])
         return cls(**d)
 
     @property
@@ -101,7 +110,65 @@ class NodeSpec:
                 star = "*" if self.emulated else ""
                 bits.append("v" + ",".join(map(str, self.versions)) + star)
             bits.append("curve" if self.curve else "plain")
+            if self.trust is not None:
+                bits.append(self.trust.brief())
         return "/".join(bits)
+
+
+@dataclass(frozen=True)
+class Cert:
+    """A node certificate a cell's CA issues before the cell runs (``ectransport keys issue``).
+
+    Attributes:
+        name: the certificate's name in the cell (its file, and the instance name in it).
+        key: the key-pair name (harness key ring) whose CURVE public key it binds.
+        role: ``producer``, ``consumer`` or ``both``.
+        ca: the name of the cell CA that signs it (every CA named is made with ``keys ca
+            init --no-passphrase``; nodes trust the CAs their :class:`TrustSpec` names).
+        valid_days: ``--valid-days`` (from the moment of issue; 0.000012 = 1 s, to expire).
+    """
+
+    name: str
+    key: str
+    role: str
+    ca: str = "ca"
+    valid_days: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrustSpec:
+    """A node's ``[trust]`` in a cell: names that the harness resolves to the files of the
+    cell's CAs and certificates (ADAPTER.md §4 ``trust``).
+
+    Attributes:
+        admission: ``allow_list``, ``certificate``, ``either`` or ``both``.
+        cert: the :class:`Cert` that is this node's ``cert_file`` (None: none).
+        present: a :class:`Cert` the node presents as its own *without* its start-up check
+            (the adapter's ``present_cert``): what a misconfigured or hostile node sends — a
+            certificate of the wrong role, or one that expired — which the node itself would
+            refuse to start with.
+        cas: the cell CAs whose public keys are ``trust_ca`` (their revocation lists are
+            ``revocation_file``).
+        clock_skew_s: ``[trust] clock_skew_s`` (None: the default, 300 s).
+        revocation_reload_s: ``[trust] revocation_reload_s`` (the default is 2 s; the cells
+            use less to keep the matrix short).
+    """
+
+    admission: str = "certificate"
+    cert: str | None = None
+    present: str | None = None
+    cas: tuple[str, ...] = ("ca",)
+    clock_skew_s: float | None = None
+    revocation_reload_s: float = 0.5
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrustSpec:
+        return cls(**{**d, "cas": tuple(d.get("cas") or ())})
+
+    def brief(self) -> str:
+        """``cert=either`` style label: the admission, and what the node shows."""
+        shows = self.present or self.cert
+        return f"{self.admission}" + (f"+{shows}" if shows else "+no cert")
 
 
 @dataclass(frozen=True)
@@ -131,6 +198,8 @@ class Expect:
     loopback_plane: str | None = None
     #: the ECTP version an ``ok`` connect/fetch_many must have negotiated (None: not checked)
     version: int | None = None
+    #: text a refusal's detail must contain (``"trust: missing: "``; None: not checked)
+    detail: str | None = None
 
     def allowed(self, mode: str) -> tuple[str, ...]:
         if mode == "loopback" and self.loopback is not None:
@@ -147,7 +216,8 @@ class Expect:
         s = "|".join(self.allowed(mode))
         plane = self.plane_for(mode)
         s = f"{s} via {plane}" if plane else s
-        return f"{s} at v{self.version}" if self.version is not None else s
+        s = f"{s} at v{self.version}" if self.version is not None else s
+        return f"{s} [{self.detail.strip()}]" if self.detail else s
 
 
 def ok(plane: str | None = None, version: int | None = None) -> Expect:
@@ -163,6 +233,9 @@ class Step:
     ``start_producer`` (again, same port and keys), ``fetch_many`` (the consumer's
     ``fetch_many`` of several entries, ``mm_hash`` their names joined by ``,``: ok when every one
     landed byte-exact). ``mm_hash`` names an :class:`Entry` (or an unknown key for a miss).
+    Fleet trust: ``revoke`` (``keys revoke --cert`` of the :class:`Cert` named ``arg``, on its
+    CA's revocation list), ``wait`` (``timeout_s`` seconds: a reload period of the nodes, or a
+    certificate's expiry), ``no_grants`` (the producer's ``stats``: it has issued no grant).
     """
 
     op: str
@@ -170,6 +243,7 @@ class Step:
     mm_hash: str = ""
     expect: Expect | None = None
     timeout_s: float = 10.0
+    arg: str = ""
 
 
 @dataclass(frozen=True)
@@ -186,6 +260,15 @@ class Cell:
     ci: bool = False
     producer_expect: Expect = Expect(("ok",))
     needs_vllm: bool = False
+    #: fleet trust: the certificates the cell's CAs issue before it runs (in this order)
+    certs: tuple[Cert, ...] = ()
+
+    def cas(self) -> list[str]:
+        """The cell CAs to create: every one a certificate or a node's trust names."""
+        names = [c.ca for c in self.certs]
+        for n in (self.producer, *self.consumers):
+            names += list(n.trust.cas) if n.trust else []
+        return list(dict.fromkeys(names))
 
     def hosts(self) -> list[str]:
         return [self.producer.host, *[c.host for c in self.consumers]]

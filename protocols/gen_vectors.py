@@ -49,6 +49,7 @@ from ectransport.protocol import (
     OfferItem,
     Parked,
     Renew,
+    RenewAck,
     ReqBatch,
     ReqItem,
     Status,
@@ -368,6 +369,15 @@ VALID_V2: dict[str, tuple[Message, str]] = {
         DoneItem(mm_hash=MM3, grant_id=HOLD, ok=False)]),
               ("The completions of one step in one frame: two grants read, a READ on an offer "
                "that failed (each item as an XferDone).")),
+    "hello_v2_renew_ack": (Hello(v=2, session_id=SID, node_id="consumer-0", versions=[1, 2],
+                                 planes=["nixl"], compat_hash=COMPAT, mem_kinds=["DRAM"],
+                                 features=["offers", "renew_ack"]),
+                           "A v2 consumer asking for offers and for confirmed renewals (§11)."),
+    "renew_ack": (RenewAck(v=2, session_id=SID, grant_ids=[GID, GID2], extend_s=3.5),
+                  ("The answer to a Renew of these two live grants (§11): each lease now runs "
+                   "at least 3.5 s past the producer's receipt of that Renew.")),
+    "renew_ack_none": (RenewAck(v=2, session_id=SID, grant_ids=[], extend_s=3.5),
+                       "The answer to a Renew whose grants had all ended: it names none."),
 }
 
 
@@ -429,6 +439,13 @@ INVALID_V2: dict[str, tuple[bytes, list[int], Status, str | None, str]] = {
         {"mm_hash": f"{i:064x}", "grant_id": i, "ok": True}
         for i in range(MAX_BATCH_ITEMS + 1)])), [2], Status.NACK_BAD_REQUEST, "dones",
         "DoneBatch naming 65 grants (bound 64)."),
+    "renew_ack_v1": (_e(_with(_frame2("renew_ack"), v=1)), [1, 2], Status.NACK_VERSION,
+                     "renew_ack", "RenewAck claiming v = 1: confirmed renewals exist since v2."),
+    "renew_ack_extend_too_long": (_e(_with(_frame2("renew_ack"), extend_s=86401.0)), [2],
+                                  Status.NACK_BAD_REQUEST, "renew_ack",
+                                  "extend_s = 86401 (bound one day)."),
+    "renew_ack_extend_negative": (_e(_with(_frame2("renew_ack"), extend_s=-1.0)), [2],
+                                  Status.NACK_BAD_REQUEST, "renew_ack", "extend_s < 0."),
     "sync_v1": (_e(_with(_frame2("sync"), v=1)), [1, 2], Status.NACK_VERSION, "sync",
                 "Sync claiming v = 1: offers exist since v2."),
     "sync_negative": (_e(_with(_frame2("sync"), t=-1.0)), [2], Status.NACK_BAD_REQUEST, "sync",

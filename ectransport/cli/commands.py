@@ -37,6 +37,12 @@ def parse_address(text: str) -> tuple[str, int]:
 @cli.command()
 @setting_options("producer.images", "layout", "demo", "node.planes", "security.insecure")
 @click.option(
+    "--certificates",
+    is_flag=True,
+    help="Admit the consumer by a certificate of a throwaway deployment CA (fleet trust: "
+    "[trust] admission = certificate) instead of an allow-list.",
+)
+@click.option(
     "--json-out",
     type=click.Path(path_type=Path),
     default=None,
@@ -45,7 +51,7 @@ def parse_address(text: str) -> tuple[str, int]:
 @config_option
 @click.pass_context
 @friendly
-def demo(ctx, json_out, config_file):
+def demo(ctx, certificates, json_out, config_file):
     """Run the main job end to end on this machine.
 
     A producer process encodes real images with a deterministic reference vision encoder
@@ -70,6 +76,7 @@ def demo(ctx, json_out, config_file):
         settings=s,
         start_timeout_s=s.demo.producer_start_timeout_s,
         stop_timeout_s=s.demo.producer_stop_timeout_s,
+        certificates=certificates,
     )
     raise SystemExit(0 if ok else 1)
 
@@ -79,7 +86,7 @@ def demo(ctx, json_out, config_file):
 
 @cli.command()
 @setting_options("producer", "layout", "node.planes", "security.key_file", "security.allow_dir",
-                 "security.insecure", "metrics.port")
+                 "security.insecure", "trust", "fleet", "metrics.port")
 @click.option(
     "--ready-file",
     type=click.Path(path_type=Path),
@@ -179,7 +186,8 @@ def serve(ctx, ready_file, progress_json, config_file):
         else:
             click.echo(
                 f"serving {len(items)} items on {node.host}:{node.port} "
-                f"(planes: {', '.join(planes)}; CURVE {'off' if insecure else 'on'})"
+                f"(planes: {', '.join(planes)}; CURVE {'off' if insecure else 'on'}; "
+                f"admission: {s.trust.admission})"
             )
             if node.public_key:
                 click.echo(f"producer public key: {node.public_key}")
@@ -200,8 +208,8 @@ def serve(ctx, ready_file, progress_json, config_file):
 @cli.command()
 @click.argument("address")
 @click.argument("mm_hashes", nargs=-1, required=True)
-@setting_options("security.server_key", "security.key_file", "security.insecure", "layout",
-                 "node.planes", "consumer")
+@setting_options("security.server_key", "security.key_file", "security.insecure", "trust",
+                 "layout", "node.planes", "consumer")
 @click.option(
     "--out",
     type=click.Path(path_type=Path),

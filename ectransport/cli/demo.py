@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ectransport.errors import ConfigError, PlaneUnavailable
-from ectransport.settings_schema import CLI, Settings
+from ectransport.settings_schema import CLI, Settings, TrustSettings
 
 PRODUCER_START_TIMEOUT_S = CLI.demo.producer_start_timeout_s
 
@@ -49,11 +49,14 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
              planes: tuple[str, ...], insecure: bool, json_out: Path | None,
              config_file: Path | None = None, settings: Settings | None = None,
              start_timeout_s: float = PRODUCER_START_TIMEOUT_S,
-             stop_timeout_s: float = CLI.demo.producer_stop_timeout_s) -> bool:
+             stop_timeout_s: float = CLI.demo.producer_stop_timeout_s,
+             certificates: bool = False) -> bool:
     """Run the demo; returns True when every item was fetched and verified bit for bit.
 
     ``config_file`` is passed on to the producer (``serve --config``); ``settings`` are the
-    consumer's (timeouts, plane and control options; default: the CLI's defaults)."""
+    consumer's (timeouts, plane and control options; default: the CLI's defaults).
+    ``certificates``: admit by certificates of a throwaway deployment CA (fleet trust) instead
+    of an allow-list; the producer binds as configured, with no allow-list at all."""
     from ectransport.cli.reference import demo_layout
     from ectransport.control.keys import allow_key, generate_keypair
     from ectransport.demo.images import bundled_images_dir, load_images
@@ -81,17 +84,24 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
         else:
             generate_keypair(tmpd / "keys", "producer")
             generate_keypair(tmpd / "keys", "consumer")
-            allow_key(tmpd / "allow", tmpd / "keys" / "consumer.key")
-            cmd += ["--key", str(tmpd / "keys" / "producer.key_secret"), "--allow-dir",
-                    str(tmpd / "allow")]
+            cmd += ["--key", str(tmpd / "keys" / "producer.key_secret")]
+            if certificates:
+                trust = _demo_ca(tmpd)
+                cmd += _trust_flags(trust, tmpd / "keys" / "producer.cert")
+                settings = msgspec.structs.replace(settings or CLI, trust=msgspec.structs.replace(
+                    trust, cert_file=str(tmpd / "keys" / "consumer.cert")))
+            else:
+                allow_key(tmpd / "allow", tmpd / "keys" / "consumer.key")
+                cmd += ["--allow-dir", str(tmpd / "allow")]
             security = Security.from_files(str(tmpd / "keys" / "consumer.key_secret"))
         errlog = open(tmpd / "producer.stderr", "w+")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, text=True)
         try:
             info = _wait_ready(proc, errlog, len(items), console, start_timeout_s)
             return _consume(console, info, items, encoder, layout, security, planes, repeats,
-                            insecure, proc.pid, json_out, ConsumerNode, ProducerAddress,
-                            settings)
+                            "OFF (--insecure)" if insecure else "on, consumer admitted by its "
+                            "certificate" if certificates else "on, consumer key allow-listed",
+                            proc.pid, json_out, ConsumerNode, ProducerAddress, settings)
         finally:
             proc.terminate()
             try:
@@ -100,6 +110,27 @@ def run_demo(*, images: Path | None, hidden: int, dtype: str, seed: int, repeats
                 proc.kill()
                 proc.wait(timeout=5)
             errlog.close()
+
+
+def _demo_ca(tmpd: Path) -> TrustSettings:
+    """A throwaway CA in ``tmpd/ca`` and certificates for ``tmpd/keys/{producer,consumer}``;
+    the ``[trust]`` both nodes use (without ``cert_file``)."""
+    from ectransport.control.keys import load_public
+    from ectransport.trust.files import init_ca, write_cert
+
+    now = int(time.time())
+    ca, paths = init_ca(tmpd / "ca", None, now=now)
+    for name in ("producer", "consumer"):
+        write_cert(tmpd / "keys" / f"{name}.cert", ca.issue(
+            curve_key=load_public(tmpd / "keys" / f"{name}.key"), role=name, name=f"demo-{name}",
+            not_before=now - 60, not_after=now + 86400))
+    return TrustSettings(trust_ca=(str(paths.public),), revocation_file=(str(paths.revocations),),
+                         admission="certificate")
+
+
+def _trust_flags(trust: TrustSettings, cert: Path) -> list[str]:
+    return ["--trust-ca", trust.trust_ca[0], "--revocation-file", trust.revocation_file[0],
+            "--cert", str(cert), "--admission", trust.admission]
 
 
 def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console,
@@ -132,11 +163,10 @@ def _wait_ready(proc: subprocess.Popen, errlog, n: int, console: Console,
     raise ConfigError(f"producer not ready within {timeout_s:.0f} s")
 
 
-def _consume(console, info, items, encoder, layout, security, planes, repeats, insecure, pid,
+def _consume(console, info, items, encoder, layout, security, planes, repeats, auth, pid,
              json_out, ConsumerNode, ProducerAddress, settings=None) -> bool:
     addr = ProducerAddress(info["host"], info["port"], info.get("public_key"))
-    console.print(f"producer: pid {pid} on {addr.host}:{addr.port}, "
-                  f"CURVE {'OFF (--insecure)' if insecure else 'on, consumer key allow-listed'}, "
+    console.print(f"producer: pid {pid} on {addr.host}:{addr.port}, CURVE {auth}, "
                   f"planes {', '.join(info['planes'])} "
                   f"({'; '.join(f'{k}: {v}' for k, v in info.get('transports', {}).items())})")
     n = len(info["items"])

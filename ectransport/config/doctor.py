@@ -19,29 +19,12 @@ import socket
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from ectransport.config.checks import FAIL, INFO, OK, WARN, Check
 from ectransport.config.settings import Settings
 
-OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 MEMLOCK_WARN_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Check:
-    """One row: ``group`` (section of the table), ``name``, ``status`` (ok/warn/FAIL/info),
-    ``detail``; ``required``: a FAIL of this row makes ``doctor`` exit non-zero."""
-
-    group: str
-    name: str
-    status: str
-    detail: str
-    required: bool = False
-
-    @property
-    def failed(self) -> bool:
-        return self.required and self.status == FAIL
 
 
 def _version(*dists: str) -> str | None:
@@ -260,5 +243,8 @@ def check_keys(settings: Settings) -> list[Check]:
 
 def run_checks(settings: Settings) -> list[Check]:
     """Every check, in table order."""
+    from ectransport.config.doctor_trust import check_trust
+
     return [*check_packages(), *check_zmq(), *check_planes(settings), *check_ucx(),
-            *check_memory(), *check_ports(settings), *check_keys(settings)]
+            *check_memory(), *check_ports(settings), *check_keys(settings),
+            *check_trust(settings)]

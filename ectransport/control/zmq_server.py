@@ -178,8 +178,10 @@ class ZmqControlServer(ControlServer):
             if allow is None and not admit_any_key and not loopback:
                 raise ConfigError(
                     f"binding non-loopback address {host!r} needs a client allow-list "
-                    "(allow=AllowList(dir)); without one anyone holding the producer's public key "
-                    "could connect"
+                    "(allow=AllowList(dir); `serve --allow-dir`) or admission by certificate "
+                    "(admit_any_key=True; [trust] admission = \"certificate\" with trust_ca, "
+                    "docs/fleet-trust.md); without either anyone holding the producer's public "
+                    "key could connect"
                 )
 
         self._ctx = zmq.Context()

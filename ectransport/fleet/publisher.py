@@ -1,7 +1,8 @@
 """``ProducerPublisher``: what a producer node calls so the directory follows its store.
 
-The producer node (``ectransport.node``, after its runtime rewrite) owns one and calls it from
-its store events; nothing here blocks (the directory queues and writes in the background):
+A producer node with ``[fleet]`` owns one (:class:`ectransport.node.fleet.ProducerFleet`) and
+calls it from its store events; nothing here blocks (the directory queues and writes in the
+background):
 
     pub = ProducerPublisher(directory)
     pub.entry_ready(mm_hash, nbytes)        # put() / commit(): the entry became READY
@@ -45,6 +46,10 @@ class ProducerPublisher:
         """This node is encoding ``claim.mm_hash`` under ``claim``: release it when the entry is
         published (:meth:`entry_ready`) or given up (:meth:`entry_gone`)."""
         self._claims[claim.mm_hash] = claim
+
+    def claiming(self, mm_hash: str) -> bool:
+        """Whether a claim registered by :meth:`encoding` waits for ``mm_hash``'s entry."""
+        return mm_hash in self._claims
 
     def entry_gone(self, mm_hash: str) -> None:
         """The entry of ``mm_hash`` is no longer served here: withdraw it."""

@@ -63,6 +63,7 @@ class Metrics:
         self._nodes: list[weakref.ref[Any]] = []
         self._lock = threading.Lock()
         self._server: Any = None
+        self._fleet: Any = None  # the FleetCollector, once a fleet directory is attached
         r = self.registry
         self.fetch_total = pc.Counter(
             "ectransport_fetch", "Fetch outcomes (consumer): outcome ok|miss, reason = MissReason",
@@ -94,6 +95,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.granted_bytes = pc.Counter(
             "ectransport_granted_bytes", "Bytes granted to consumers (producer)", registry=r)
+        self.trust_admissions = pc.Counter(
+            "ectransport_trust_admissions",
+            "Fleet trust: peers admitted (outcome admitted, reason = by: certificate|allow_list|"
+            "both) or refused (outcome refused, reason = the refusal reason; when = hello|"
+            "welcome for a new session, recheck for a live one ended), by peer_role (the role "
+            "wanted of the peer: consumer on a producer, producer on a consumer)",
+            ["outcome", "reason", "when", "peer_role"], registry=r)
         r.register(_SnapshotCollector(self))
 
     # -- nodes ---------------------------------------------------------------------------------
@@ -105,7 +113,22 @@ class Metrics:
         node.add_observer(self.observe)
         with self._lock:
             self._nodes.append(weakref.ref(node))
+        fleet = getattr(node, "fleet", None)  # a producer node in the fleet directory
+        if fleet is not None:
+            self.attach_fleet(fleet.directory)
         return node
+
+    def attach_fleet(self, directory: Any) -> Any:
+        """Also export the ``ectransport_fleet_*`` families of a fleet directory (hits, misses,
+        claims won/lost/waited/expired, lookup latency: ``ectransport.fleet.prom``); returns
+        it. Several directories are summed."""
+        from ectransport.fleet.prom import FleetCollector
+
+        with self._lock:
+            if self._fleet is None:
+                self._fleet = FleetCollector(self.registry)
+            collector = self._fleet
+        return collector.attach(directory)
 
     def nodes(self) -> list[Any]:
         with self._lock:
@@ -139,6 +162,12 @@ class Metrics:
             self.peer_quarantines.labels(_short_reason(f.get("why", ""))).inc()
         elif event == "transfer_quarantined":
             self.transfer_quarantines.inc()
+        elif event == "peer_admitted":
+            self.trust_admissions.labels("admitted", f.get("by", ""), "new",
+                                         f.get("peer_role", "")).inc()
+        elif event == "peer_refused":
+            self.trust_admissions.labels("refused", f.get("reason", ""), f.get("when", ""),
+                                         f.get("peer_role", "")).inc()
 
     # -- HTTP ----------------------------------------------------------------------------------
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

@@ -40,7 +40,9 @@ class Security:
     Attributes:
         public_key / secret_key: this node's Z85 key pair (see ``ectransport keys generate``).
         allow_dir: producer: directory of allowed consumer public certs (reloaded on change).
-        allow: producer: programmatic allow-list callback ``(public_key) -> bool``.
+        allow: producer: programmatic allow-list callback ``(public_key) -> bool``; consumer:
+            which producer keys count as allow-listed for fleet trust's admission ``either`` /
+            ``both`` (unset: every key the consumer dials).
         insecure: plain ZMQ, no authentication or encryption (loud warning; explicit opt-in only).
     """
 

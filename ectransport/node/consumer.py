@@ -33,6 +33,7 @@ from ectransport.node.fetch_session import FetchSession
 from ectransport.node.inbox import Connect, ReleaseHeld, Snapshot, StartBatch, StartFetch
 from ectransport.node.io_loop import IoLoop, result_or_miss
 from ectransport.node.results import Fetched, Held, Outcome, ProducerAddress
+from ectransport.node.trust import fetching_trust
 from ectransport.protocol import Ticket
 from ectransport.session import ConsumerConfig, Miss, MissReason
 from ectransport.settings_schema import (
@@ -42,6 +43,7 @@ from ectransport.settings_schema import (
     NodeSettings,
     PlanesSettings,
     Settings,
+    TrustSettings,
     checked,
 )
 from ectransport.store import BlockRegion, BlockStore
@@ -76,9 +78,16 @@ class ConsumerNode:
         require_binding: refuse a producer whose Welcome declares no data-plane endpoint (an
             ectransport before plugin API 2, or a producer trying to make its grants unbound).
         plane_loader: plane name → plane class (default: the entry-point registry).
+        trust: fleet trust (``[trust]``; ``docs/fleet-trust.md``): with ``trust_ca`` and a
+            certificate admission a producer is accepted only if its Welcome carries a valid
+            ``producer`` certificate for the key dialed (else every fetch from it misses
+            ``AUTH`` and :meth:`connect` raises AuthError); ``cert_file`` is sent in Hello.
+            Its allow-list (``either`` / ``both``) is ``security.allow``, else every key
+            dialed. Observer events ``peer_admitted`` / ``peer_refused``.
 
     Raises:
-        ConfigError: bad settings. PlaneUnavailable: a requested plane cannot run here.
+        ConfigError: bad settings (a trust file among them). PlaneUnavailable: a requested
+            plane cannot run here.
     """
 
     def __init__(self, *, layout: Layout = Layout(), security: Security,
@@ -88,7 +97,8 @@ class ConsumerNode:
                  control: ControlClient | None = None, region: BlockRegion | None = None,
                  observer: Callable[[str, dict[str, Any]], None] | None = None,
                  require_binding: bool = True,
-                 plane_loader: Callable[[str], type[DataTransport]] = load_plane):
+                 plane_loader: Callable[[str], type[DataTransport]] = load_plane,
+                 trust: TrustSettings = API.trust):
         settings = checked(settings)
         self.layout = layout
         self.settings = settings
@@ -100,6 +110,7 @@ class ConsumerNode:
         planes: dict[str, DataTransport] = {}
         built: ControlClient | None = None
         try:
+            self.trust = fetching_trust(checked(trust), security, self._observers)
             planes = load_planes(node.planes, node_id=self.node_id, region=self.region,
                                  public_key=security.public_key,
                                  plane_options=plane_settings.options(), loader=plane_loader)
@@ -119,7 +130,7 @@ class ConsumerNode:
             mem_kinds=(getattr(self.region, "mem_kind", "DRAM"),), settings=settings)
         self.driver = ConsumerDriver(Parts(built, planes, self.region, own_region), self.store,
                                      layout, self.config, observers=self._observers,
-                                     require_binding=require_binding)
+                                     require_binding=require_binding, trust=self.trust)
         self.loop = IoLoop(self.driver, name=self.node_id)
 
     @classmethod
@@ -127,7 +138,8 @@ class ConsumerNode:
                       **kw: Any) -> ConsumerNode:
         """A node with every section of ``s`` (``kw``: the other constructor arguments)."""
         return cls(layout=layout, security=security, settings=s.consumer, node=s.node,
-                   plane_settings=s.planes, control_settings=s.control.client, **kw)
+                   plane_settings=s.planes, control_settings=s.control.client, trust=s.trust,
+                   **kw)
 
     # -- fetching ------------------------------------------------------------------------------
     def submit(self, producer: ProducerAddress, mm_hash: str, *,
@@ -226,7 +238,9 @@ class ConsumerNode:
         ``producers`` (sessions), ``in_flight`` fetches, ``quarantined_peers`` (producers in
         their backoff now), ``quarantined_transfers`` (timed-out reads whose landing blocks are
         held until the DMA can no longer land), ``free_blocks`` of the landing region,
-        ``offer_reads`` (read on an offer, with no request: ECTP v2 §10) and ``offers_held``."""
+        ``offer_reads`` (read on an offer, with no request: ECTP v2 §10) and ``offers_held``;
+        with fleet trust, ``trust_admitted`` / ``trust_refused`` / ``trust_ended`` /
+        ``trust_live`` (producers admitted, refused, dropped on a re-check, admitted now)."""
         if self.loop.on_loop or self.loop.stopped:  # an observer; or nothing drives it any more
             return self.driver.gauges()
         item = Snapshot(Future())

@@ -13,7 +13,8 @@ nested call. Outcomes resolve the callers' futures (:class:`~ectransport.node.ou
 
 Ownership: the driver owns no thread, and exactly one thread at a time may call :meth:`step`,
 :meth:`shutdown` and the queries (a :class:`~ectransport.node.ConsumerNode`: its I/O thread).
-:meth:`post` and :meth:`release_later` may be called from any thread.
+:meth:`post` and :meth:`release_later` may be called from any thread. Fleet trust (``trust``):
+each step refreshes it on this thread and fails the sessions it no longer admits.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ectransport.node.inbox import (
 )
 from ectransport.node.outcomes import Outcomes
 from ectransport.node.results import ProducerAddress
+from ectransport.node.trust import NodeTrust, TrustingFetcher
 from ectransport.protocol import FrameError, Status, Ticket, Welcome, decode
 from ectransport.session import (
     Command,
@@ -78,14 +80,18 @@ class ConsumerDriver:
         zero_copy: hand out landed bytes in place (pinned until the result is collected);
             False copies them out and frees the landing blocks at once.
         clock: the monotonic clock (the validity window's: see ConsumerSession).
+        trust: fleet trust (:class:`~ectransport.node.trust.NodeTrust`): ECTP sessions check
+            the producer's certificate with its admission.
     """
 
     def __init__(self, parts: Parts[ControlClient], store: BlockStore, layout: Layout,
                  config: ConsumerConfig, *, observers: Observers | None = None,
                  require_binding: bool = True,
                  new_session: Callable[[str, float], FetchSession] | None = None,
-                 zero_copy: bool = True, clock: Callable[[], float] = time.monotonic):
+                 zero_copy: bool = True, clock: Callable[[], float] = time.monotonic,
+                 trust: NodeTrust | None = None):
         self.parts = parts
+        self.trust = trust
         self.control = parts.control
         self.planes = parts.planes
         self.store = store
@@ -107,7 +113,10 @@ class ConsumerDriver:
         self.closed = False  #: set (under the gate) once shut down
 
     def _ectp_session(self, conn: str, now: float) -> FetchSession:
-        return ConsumerSession(self.config, conn, self.store, now, observer=self.observers)
+        t = self.trust
+        return ConsumerSession(self.config, conn, self.store, now, observer=self.observers,
+                               admission=t.admission if t is not None else None,
+                               producer_key=self._producers[conn].public_key or "")
 
     # -- any thread ----------------------------------------------------------------------------
     def post(self, item: InboxItem) -> None:
@@ -145,7 +154,8 @@ class ConsumerDriver:
 
     def gauges(self) -> dict[str, int]:
         """``producers``, ``in_flight``, ``quarantined_peers``, ``quarantined_transfers``,
-        ``free_blocks``, ``offer_reads``, ``offers_held`` (see ConsumerNode.stats)."""
+        ``free_blocks``, ``offer_reads``, ``offers_held`` and, with fleet trust, ``trust_*``
+        (:meth:`~ectransport.node.trust.NodeTrust.stats`) (see ConsumerNode.stats)."""
         now = self.clock()
         sessions = list(self.sessions.values())
         states = [st for s in sessions for st in s.fetch_states().values()]
@@ -155,22 +165,35 @@ class ConsumerDriver:
                 "quarantined_transfers": sum(st is FetchState.QUARANTINED for st in states),
                 "free_blocks": self.store.free_blocks,
                 "offer_reads": sum(getattr(s, "offer_reads", 0) for s in sessions),
-                "offers_held": sum(getattr(s, "offers_held", 0) for s in sessions)}
+                "offers_held": sum(getattr(s, "offers_held", 0) for s in sessions),
+                **(self.trust.stats() if self.trust is not None else {})}
 
     # -- driving (the owning thread) -----------------------------------------------------------
-    def step(self, now: float | None = None, *, wait_s: float | None = 0.0) -> None:
+    def step(self, now: float | None = None, *, wait_s: float | None = 0.0,
+             hold_results: bool = False) -> None:
         """One round: poll the control client (``wait_s`` seconds; None: until the next
         deadline, or not at all while a transfer is in flight), then its events (first: an
         ``Offer`` received meanwhile must be known when a fetch with its ticket starts), the
         inbox, the transfers in flight and the session timers. ``now`` defaults to the clock
-        after the poll (pass it only with ``wait_s=0``)."""
+        after the poll (pass it only with ``wait_s=0``).
+
+        The step's outcomes reach their futures at its end; with ``hold_results`` they wait for
+        the caller's :meth:`Outcomes.deliver <ectransport.node.outcomes.Outcomes.deliver>` or
+        the next step's, just before its poll: a thread that blocks right after delivering
+        leaves the interpreter to the callers it woke, instead of taking turns with them."""
         if wait_s is None:
             wait_s = 0.0 if self.busy() else self.idle_timeout()
+        self.outcomes.deliver()
         events = self.control.poll(wait_s)
         if now is None:
             now = self.clock()
+        recheck = self.trust is not None and self.trust.refresh(now)
         for ev in events:
             self._on_event(ev, now)
+        if recheck or (self.trust is not None and self.trust.renewed):
+            assert self.trust is not None
+            self._recheck(now, self.trust.renewed)
+            self.trust.renewed = False
         while self.inbox:
             self._take(self.inbox.popleft(), now)
         for s in list(self.sessions.values()):
@@ -187,7 +210,18 @@ class ConsumerDriver:
                 self._check_connecting(s, now)
             if s.failed is not None and not s.in_flight():
                 self._drop(s)
-        self.outcomes.deliver()  # last: the callers woken now find the interpreter free
+        if not hold_results:
+            self.outcomes.deliver()
+
+    def _recheck(self, now: float, renewed: bool) -> None:
+        """Tell the sessions whose producer fleet trust no longer admits (revoked: they fail;
+        else they say Hello again), and, when this node's certificate was re-issued, every
+        session (they say Hello again with it)."""
+        assert self.trust is not None
+        lost = dict(self.trust.admission.recheck())
+        for conn, s in list(self.sessions.items()):
+            if isinstance(s, TrustingFetcher) and (conn in lost or renewed):
+                self._run(s, s.on_trust_change(lost.get(conn), now), now)
 
     def _run(self, s: FetchSession, cmds: list[Command], now: float) -> None:
         """Perform ``cmds`` and everything that follows from them: each plane answer is fed to
@@ -322,9 +356,13 @@ class ConsumerDriver:
         s = self.sessions.get(producer.key)
         if s is None:
             conn = self.control.connect(producer.host, producer.port, producer.public_key)
-            s = self._new_session(conn, now)
+            self._producers[conn] = producer  # first: a new session reads the key dialed
+            try:
+                s = self._new_session(conn, now)
+            except BaseException:
+                self._producers.pop(conn, None)
+                raise
             self.sessions[conn] = s
-            self._producers[conn] = producer
         return s
 
     def _start_connect(self, item: Connect, now: float) -> None:
@@ -373,6 +411,8 @@ class ConsumerDriver:
         self.sessions.pop(s.conn, None)
         self._producers.pop(s.conn, None)
         self._refused.pop(s.conn, None)
+        if self.trust is not None:
+            self.trust.admission.forget(s.conn)
         self.control.disconnect(s.conn)
         if s.plane and s.binding is not None:  # drops only this session's data-plane state
             self.planes[s.plane].unbind_peer(s.binding)

@@ -7,8 +7,10 @@ then a wake-up of the thread's control poll) and waits for its future with a dea
 (:meth:`IoLoop.wait`). Nothing is shared but the inbox (a deque, appended atomically) and the
 futures (which lock themselves).
 
-The thread steps the driver in a loop: while a transfer is in flight it checks without waiting
-and sleeps :data:`BUSY_SLEEP_S` between checks (yielding the CPU to the data plane's progress
+The thread steps the driver in a loop and sets the futures of each step's outcomes right before
+it blocks (in the control poll, or in the sleep below), so that the callers it wakes find the
+interpreter free. While a transfer is in flight it checks without waiting and sleeps
+:data:`BUSY_SLEEP_S` between checks (yielding the CPU to the data plane's progress
 threads and, on a small host, to the producer: spinning made 64 KiB fetches 5x slower on 2
 cores); otherwise it waits in the control poll until the next deadline (at most
 :data:`~ectransport.node.consumer_driver.MAX_WAIT_S`) or a wake-up.
@@ -88,12 +90,14 @@ class IoLoop:
         d = self.driver
         while not self._stop.is_set():
             try:
-                d.step(wait_s=None)
+                d.step(wait_s=None, hold_results=True)  # delivered just before we block
             except Exception:
                 log.exception("unexpected consumer loop error (continuing)")
+                d.outcomes.deliver()
                 self._stop.wait(0.01)  # not a busy loop if the error repeats
                 continue
             if not d.inbox and d.busy():
+                d.outcomes.deliver()
                 time.sleep(BUSY_SLEEP_S)
         try:
             d.shutdown()

@@ -18,8 +18,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ectransport.control.base import ControlServer, PeerId
 from ectransport.data.base import DataTransport, TransferModel
@@ -28,18 +28,24 @@ from ectransport.errors import ConfigError, ECTransportError
 from ectransport.node.common import Layout, Security, as_bytes, region_for
 from ectransport.node.driver import Observers, Parts, close_all, load_planes
 from ectransport.node.producer_driver import AnnouncingSession, ProducerDriver, ServingSession
+from ectransport.node.trust import NodeTrust, serving_trust
 from ectransport.protocol import Ticket
 from ectransport.session import PlaneFacts, ProducerConfig, ProducerSession
 from ectransport.settings_schema import (
     API,
     ControlServerSettings,
+    FleetSettings,
     NodeSettings,
     PlanesSettings,
     ProducerSettings,
     Settings,
+    TrustSettings,
     checked,
 )
 from ectransport.store import AllocFailed, BlockRegion, BlockStore, Entry
+
+if TYPE_CHECKING:
+    from ectransport.node.fleet import ProducerFleet
 
 log = logging.getLogger("ectransport.node.producer")
 
@@ -101,6 +107,11 @@ class ProducerNode:
             the ECTP versions spoken.
         plane_settings: the planes' constructor options (``tcp`` and ``ucx`` serve on ``host``).
         control_settings: the ZeroMQ server's (heartbeats, frame and rate limits, handshakes).
+        trust: fleet trust (``[trust]``: CAs, this node's certificate, revocation lists,
+            admission mode; :mod:`ectransport.node.trust`, ``docs/fleet-trust.md``). With
+            admission ``certificate`` / ``either`` the handshake admits any CURVE key and a
+            consumer is admitted by the certificate in its Hello (no allow-list needed, on any
+            bind). Default: allow-lists only.
         control: serve over this control server instead of the ZeroMQ/CURVE one (e.g.
             :mod:`ectransport.control.memory`'s in-memory pair in tests); the node closes it.
         region: serve from this region instead of a private one (e.g. a ``/dev/shm`` region that
@@ -122,7 +133,9 @@ class ProducerNode:
                  control_settings: ControlServerSettings = API.control.server,
                  control: ControlServer | None = None, region: BlockRegion | None = None,
                  observer: Callable[[str, dict[str, Any]], None] | None = None,
-                 plane_loader: Callable[[str], type[DataTransport]] = load_plane):
+                 plane_loader: Callable[[str], type[DataTransport]] = load_plane,
+                 trust: TrustSettings = API.trust, fleet: FleetSettings = API.fleet,
+                 fleet_trusted: Callable[[str, bytes | None], bool] | None = None):
         settings = checked(settings)
         self.settings = settings
         self._observers = Observers(observer)
@@ -130,7 +143,8 @@ class ProducerNode:
         self.node_id = node.node_id or f"producer-{uuid.uuid4().hex[:8]}"
         own_region = region is None
         self.region = region_for(layout, settings.region_bytes, region)
-        self.store = BlockStore(self.region.num_blocks, layout.block_bytes)
+        self.store = BlockStore(self.region.num_blocks, layout.block_bytes,
+                                track_evictions=fleet.url is not None)
         self._planes: dict[str, DataTransport] = {}
         self._allow = None
         built: ControlServer | None = None
@@ -147,8 +161,11 @@ class ProducerNode:
 
                 allow = AllowList(directory=security.allow_dir, callback=security.allow)
             self._allow = allow
+            self.trust: NodeTrust | None
+            self.trust, any_key = serving_trust(checked(trust), security, allow, self._observers)
             built = control if control is not None else self._make_control(
-                host, settings.port, security, allow, control_settings.options())
+                host, settings.port, security, None if any_key else allow,
+                {**control_settings.options(), **({"admit_any_key": True} if any_key else {})})
         except BaseException:
             close_all(built, self._planes, self.region if own_region else None)
             raise
@@ -157,19 +174,26 @@ class ProducerNode:
             node_id=self.node_id, compat_hash=layout.compat_hash, planes=node.planes,
             versions=node.versions, settings=settings))
         self.driver = ProducerDriver(self.session, Parts(built, self._planes, self.region,
-                                                         own_region), observers=self._observers)
+                                                         own_region), observers=self._observers,
+                                     trust=self.trust)
         self._control: ControlServer = built
         self._lock = self.driver.lock
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.fleet: ProducerFleet | None = None
+        if fleet.url is not None:  # docs/fleet.md: this node's holder records
+            from ectransport.node.fleet import ProducerFleet
+
+            self.fleet = ProducerFleet.join(self, fleet, fleet_trusted)
 
     @classmethod
     def from_settings(cls, s: Settings, *, layout: Layout, security: Security,
                       **kw: Any) -> ProducerNode:
         """A node with every section of ``s`` (``kw``: the other constructor arguments)."""
         return cls(layout=layout, security=security, settings=s.producer, node=s.node,
-                   plane_settings=s.planes, control_settings=s.control.server, **kw)
+                   plane_settings=s.planes, control_settings=s.control.server, trust=s.trust,
+                   fleet=s.fleet, **kw)
 
     # -- construction hooks (a wire-compatibility profile overrides these) -----------------------
     def _make_control(self, host: str, port: int, security: Security, allow: Any,
@@ -188,7 +212,8 @@ class ProducerNode:
         return ProducerSession(config, self.store, plane_facts(self._planes),
                                observer=self._observers,
                                read=lambda runs, nbytes: b"".join(
-                                   v.data for v in region.view(runs, nbytes)))
+                                   v.data for v in region.view(runs, nbytes)),
+                               admission=self.trust.admission if self.trust else None)
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -256,11 +281,11 @@ class ProducerNode:
         except BaseException:  # never leave a NOT_READY entry behind (it is never evicted)
             with self._lock:
                 self.store.discard(mm_hash)
-                self.driver.entry_changed(mm_hash)
+                self._changed(mm_hash)
             raise
         with self._lock:
             self.store.mark_ready(mm_hash)
-            self.driver.entry_changed(mm_hash)  # answers requests waiting for it (ECTP v2)
+            self._changed(mm_hash)  # answers requests waiting for it (ECTP v2), publishes it
         return True
 
     def reserve(self, mm_hash: str, nbytes: int) -> Entry | AllocFailed:
@@ -278,7 +303,10 @@ class ProducerNode:
             ``"full"`` / ``"too_large"`` if the region cannot hold it (nothing was evicted).
         """
         with self._lock:
-            return self.store.alloc(mm_hash, nbytes)
+            entry = self.store.alloc(mm_hash, nbytes)
+            if self.fleet is not None:
+                self.fleet.evictions()  # what the allocation evicted leaves the directory now
+            return entry
 
     def commit(self, mm_hash: str, entry_id: int) -> bool:
         """Second half of a two-step save: the blocks of reservation ``entry_id`` hold the bytes;
@@ -292,7 +320,7 @@ class ProducerNode:
             if e is None or e.entry_id != entry_id or e.ready:
                 return False
             self.store.mark_ready(mm_hash)
-            self.driver.entry_changed(mm_hash)
+            self._changed(mm_hash)
             return True
 
     def abort(self, mm_hash: str, entry_id: int) -> bool:
@@ -306,14 +334,16 @@ class ProducerNode:
             if e is None or e.entry_id != entry_id or e.ready:
                 return False
             self.store.discard(mm_hash)
-            self.driver.entry_changed(mm_hash)
+            self._changed(mm_hash)
             return True
 
-    def announce(self, mm_hash: str) -> Ticket | None:
+    def announce(self, mm_hash: str, to: str | Collection[str] | None = None) -> Ticket | None:
         """Announce ``mm_hash`` to consumers (ECTP v2 §10): hold the entry for ``hold_s`` and
-        offer it to every consumer session that takes offers, so that a consumer given the
-        returned ticket reads it with no request. Call it where the entry's location is handed
-        to the orchestrator (vLLM: ``request_finished``); again to renew the hold.
+        offer it to the consumer(s) ``to`` names — node ids or CURVE public keys: the consumer
+        the orchestrator routes the request to — or, when it names none, to every consumer
+        session that takes offers (``broadcast_offers``), so that a consumer given the returned
+        ticket reads it with no request. Call it where the entry's location is handed to the
+        orchestrator (vLLM: ``request_finished``); again to renew the hold (or add a target).
 
         Returns:
             The :class:`~ectransport.protocol.Ticket` to pass along with this node's address
@@ -327,7 +357,7 @@ class ProducerNode:
             if not isinstance(session, AnnouncingSession):
                 return (Ticket(producer=self.node_id, hold_id=0, mm_hash=mm_hash)
                         if mm_hash in self.store else None)
-            ticket, cmds = session.announce(mm_hash, self.driver.clock())
+            ticket, cmds = session.announce(mm_hash, self.driver.clock(), to)
         self.driver.defer(cmds)
         return ticket
 
@@ -365,7 +395,9 @@ class ProducerNode:
         """Counters and gauges of the serving session and the store (any thread); ECTP v2
         §10's: ``holds`` taken, ``hold_refused`` (cap or plane), ``hold_expired``, ``hold_reads``
         (served reads reported by XferDone), ``offers`` (items sent), ``syncs``,
-        ``active_holds`` and ``held_bytes`` (grace pins included)."""
+        ``active_holds`` and ``held_bytes`` (grace pins included); with fleet trust,
+        ``trust_admitted`` / ``trust_refused`` (new sessions), ``trust_ended`` (live sessions
+        a re-check ended) and ``trust_live``."""
         with self._lock:
             return self._stats_locked()
 
@@ -375,7 +407,8 @@ class ProducerNode:
                 "free_blocks": self.store.free_blocks,
                 "waiting_items": int(getattr(self.session, "waiting_items", 0)),
                 "active_holds": int(getattr(self.session, "active_holds", 0)),
-                "held_bytes": int(getattr(self.session, "held_bytes", lambda: 0)())}
+                "held_bytes": int(getattr(self.session, "held_bytes", lambda: 0)()),
+                **(self.trust.stats() if self.trust is not None else {})}
 
     def add_observer(self, observer: Callable[[str, dict[str, Any]], None]) -> None:
         """Also tell ``observer`` what happens (see the ``observer`` argument)."""
@@ -405,6 +438,8 @@ class ProducerNode:
         if self._closed:
             return
         self._closed = True
+        if self.fleet is not None:  # withdrawn first: no consumer is sent here any more
+            self.fleet.close()
         self._stop.set()
         self._control.wake()
         if self._thread is not None:
@@ -423,11 +458,20 @@ class ProducerNode:
         while not self._stop.is_set():
             try:
                 self.driver.step(wait_s=_POLL_S)
+                if self.fleet is not None:
+                    self.fleet.tick(time.monotonic())
             except ECTransportError:
                 log.exception("producer loop error (continuing)")
             except Exception:
                 log.exception("unexpected producer loop error (continuing)")
                 time.sleep(0.01)  # not a busy loop if the error repeats
+
+    def _changed(self, mm_hash: str) -> None:
+        """``mm_hash``'s entry became ready or went away (lock held): requests waiting for it
+        are answered; the fleet directory follows (``ectransport.node.fleet``)."""
+        self.driver.entry_changed(mm_hash)
+        if self.fleet is not None:
+            self.fleet.changed(mm_hash)
 
     def _check_tensor(self, tensor: object) -> None:
         """Accept ``[num_tokens, hidden]`` of the layout dtype, or raw uint8 rows of block_bytes."""

@@ -13,6 +13,8 @@ Public methods that touch the session or the store hold :attr:`Driver.lock`; the
 control-plane I/O of a step happens outside it, so ``put`` from other threads is never blocked
 behind a send. One thread steps at a time: a :class:`ProducerNode` that was started steps on its
 own thread; one that was not (tests, a caller with its own loop) is stepped by its owner.
+With fleet trust (``trust``: :class:`~ectransport.node.trust.NodeTrust`) each step refreshes it
+(outside the lock) and, when it says so, ends the live sessions it no longer admits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ectransport.control.base import ControlServer, Down, PeerId, Received
 from ectransport.node.driver import Observers, Parts
+from ectransport.node.trust import NodeTrust, TrustingServer
 from ectransport.protocol import Ticket
 from ectransport.session import Command, Revoke, Send
 
@@ -68,7 +71,8 @@ class ServingSession(Protocol):
 class AnnouncingSession(Protocol):
     """A serving session that holds and offers announced entries (ECTP v2 §10)."""
 
-    def announce(self, mm_hash: str, now: float) -> tuple[Ticket | None, list[Any]]: ...
+    def announce(self, mm_hash: str, now: float,
+                 to: str | Collection[str] | None = None) -> tuple[Ticket | None, list[Any]]: ...
 
 
 @runtime_checkable
@@ -91,12 +95,14 @@ class ProducerDriver:
         parts: the control server, planes and region it drives and closes.
         observers: told what happens (see :class:`~ectransport.node.ProducerNode`).
         clock: the monotonic clock used when :meth:`step` is not given ``now``.
+        trust: fleet trust of the session's admission (module docstring).
     """
 
     def __init__(self, session: ServingSession, parts: Parts[ControlServer], *,
                  observers: Observers | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, trust: NodeTrust | None = None):
         self.parts = parts
+        self.trust = trust
         self.control = parts.control
         self.planes = parts.planes
         self.observers = observers if observers is not None else Observers()
@@ -140,6 +146,8 @@ class ProducerDriver:
         if due is not None and now is None and wait_s > 0:  # wake for the next waiting deadline
             wait_s = min(wait_s, max(0.0, due - self.clock()))
         events = self.control.poll(wait_s)
+        trust = self.trust
+        recheck = trust is not None and trust.refresh(self.clock() if now is None else now)
         cmds: list[Command] = []
         while self._deferred:
             cmds.append(self._deferred.popleft())
@@ -156,6 +164,9 @@ class ProducerDriver:
                 while self._changed:
                     changed.add(self._changed.popleft())
                 cmds += self._waiting.on_entries_changed(changed, t)
+            if recheck and trust is not None and isinstance(self.session, TrustingServer):
+                for peer, refused in trust.admission.recheck():
+                    cmds += self.session.on_trust_lost(peer, refused, t)
         self.perform(cmds)
         cmds = []
         with self.lock:

@@ -39,7 +39,7 @@ from ectransport.protocol.messages import (
 from ectransport.protocol.status import RETRYABLE, Status
 
 __all__ = [
-    "FEATURE_DONES", "FEATURE_OFFERS", "KINDS", "LAYOUT_ROW", "Offer", "OfferItem", "Sync", "Ticket", "DoneBatch", "DoneItem", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
+    "FEATURE_DONES", "FEATURE_OFFERS", "FEATURE_RENEW_ACK", "KINDS", "LAYOUT_ROW", "Offer", "OfferItem", "Sync", "Ticket", "DoneBatch", "DoneItem", "MAX_BATCH_ITEMS", "MAX_FRAME_BYTES", "MAX_INLINE_BYTES", "MAX_WAIT_S",
     "PROTOCOL_MAJOR", "RETRYABLE", "SINCE", "SUPPORTED_VERSIONS", "AckBatch", "AckItem",
     "AnyMessage", "ReqBatch", "ReqItem", "FrameError", "Grant", "Hello", "Message", "Nack", "Parked", "Renew", "RenewAck", "Status", "Welcome",
     "XferAck", "XferDone", "XferReq", "compat_hash", "decode", "element_size", "encode",

@@ -28,7 +28,8 @@ not named, a second answer, another session's frame) are ignored and counted in
 :attr:`ConsumerSession.ignored`, never answered; the late grant of a request given up on is given
 back once. A producer that timed out, answered NACK_INTERNAL or went away is quarantined for a
 backoff doubling from ``peer_backoff_s`` to ``peer_backoff_max_s``; meanwhile new fetches miss at
-once (QUARANTINED) and the first one after it re-sends Hello.
+once (QUARANTINED) and the first one after it re-sends Hello. Fleet trust: see
+:meth:`ConsumerSession.on_trust_change`.
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ectransport.protocol import (
+    FEATURE_DONES,
     FEATURE_OFFERS,
+    FEATURE_RENEW_ACK,
     AckBatch,
     FrameError,
     Hello,
     Nack,
     Offer,
     Parked,
+    RenewAck,
     Status,
     Sync,
     Ticket,
@@ -56,14 +60,21 @@ from ectransport.protocol import (
     decode,
     encode,
 )
-from ectransport.protocol.messages import MAX_HASH_LEN
+from ectransport.session.admission import Admission, refusal_detail, trust_reason
 from ectransport.session.commands import Bind, Command, Miss, MissReason, Report, Send
 from ectransport.session.consumer_offers import OfferTable
 from ectransport.session.fetch import NACK_REASON, Fetch, FetchState
 from ectransport.session.fetches import FetchTable
-from ectransport.session.link import LINK_TRANSITIONS, IllegalTransition, Link, PeerBackoff
+from ectransport.session.link import (
+    LINK_TRANSITIONS,
+    IllegalTransition,
+    Link,
+    PeerBackoff,
+    refusal,
+)
 from ectransport.settings_schema import API, ConsumerSettings
 from ectransport.store import BlockStore
+from ectransport.trust.verify import RefusalReason, Refused
 
 log = logging.getLogger("ectransport.session.consumer")
 
@@ -108,12 +119,16 @@ class ConsumerSession:
             ``peer_quarantined`` (``seconds``, ``why``), ``peer_lifted``,
             ``transfer_quarantined`` (``mm_hash``, ``grant_id``, ``reason``); fields carry
             ``peer`` and ``session_id``.
+        admission: fleet trust (:class:`~.admission.Admission`), with ``producer_key``: the
+            CURVE key dialed, which the Welcome's certificate must be for. None: no checks.
     """
 
     def __init__(self, config: ConsumerConfig, conn: str, store: BlockStore, now: float, *,
                  session_id: str | None = None,
-                 observer: Callable[[str, dict[str, Any]], None] | None = None):
+                 observer: Callable[[str, dict[str, Any]], None] | None = None,
+                 admission: Admission | None = None, producer_key: str = ""):
         self.config = config
+        self.admission, self.producer_key = admission, producer_key
         self.settings = s = config.settings
         self.conn = conn
         self.store = store
@@ -225,7 +240,7 @@ class ConsumerSession:
         cmds: list[Command] = []
         new: list[Fetch] = []
         for mm_hash in mm_hashes:
-            miss = self._refusal(mm_hash, now)
+            miss = refusal(mm_hash, now, self.failed, self.backoff, mm_hash in self.fetches)
             if miss is not None:
                 cmds.append(Report(miss))
                 continue
@@ -280,17 +295,20 @@ class ConsumerSession:
         if isinstance(msg, Welcome):
             return self._on_welcome(msg, now)
         if isinstance(msg, Nack):
+            if trust_reason(msg.detail) is not None and self.link in _LIVE:  # session ended
+                return self._fail_session(Miss("", MissReason.AUTH, msg.detail))
             log.warning("producer %s NACKed a frame: %s %s", self.conn, msg.status.name,
                         msg.detail)
             return []
-        if not isinstance(msg, (XferAck, AckBatch, Parked, Offer)):
+        if not isinstance(msg, (XferAck, AckBatch, Parked, Offer, RenewAck)):
             return []
         if msg.session_id != self.session_id:  # another session's: never acted on
             if not isinstance(msg, XferAck):
                 why = {AckBatch: "foreign_session", Parked: "parked_foreign_session",
-                       Offer: "offer_foreign_session"}[type(msg)]
+                       Offer: "offer_foreign_session",
+                       RenewAck: "renew_ack_foreign_session"}[type(msg)]
                 self.ignore(why, f"a {type(msg).__name__} of session {msg.session_id[:32]!r}",
-                            1 if isinstance(msg, AckBatch) else len(msg.items))
+                            len(msg.items) if isinstance(msg, (Parked, Offer)) else 1)
             return []
         match msg:
             case XferAck():
@@ -299,6 +317,8 @@ class ConsumerSession:
                 return self.fetches.on_acks(msg, now)
             case Parked():
                 return self.fetches.on_parked(msg, now)
+            case RenewAck():
+                return self.fetches.on_renew_ack(msg, now)
             case Offer():
                 for why, detail, k in self.offers.accept(msg, now, self.plane, self.store):
                     self.ignore(why, detail, k)
@@ -321,6 +341,8 @@ class ConsumerSession:
         self._hello_due = None
         self.offers.start(FEATURE_OFFERS in msg.features and bool(self._wants_offers())
                           and msg.version >= 2)
+        self.fetches.completions.batched = FEATURE_DONES in msg.features
+        self.fetches.renewals.reset(FEATURE_RENEW_ACK in msg.features and msg.version >= 2)
         cmds = self._sync(now) if self.offers.on else []
         queued = self.fetches.queued()
         return cmds + (self.fetches.ask(queued, now) if queued else [])
@@ -337,6 +359,14 @@ class ConsumerSession:
         self._welcome = None
         return self._fail_session(Miss("", MissReason.INCOMPATIBLE,
                                        f"producer's data-plane endpoint refused: {detail}"))
+
+    def on_trust_change(self, refused: Refused | None, now: float) -> list[Command]:
+        """A re-check no longer admits the producer (``refused``), or this node's certificate
+        was re-issued (None): revoked fails the session, else a new Hello (:mod:`.admission`)."""
+        if refused is not None and refused.reason is RefusalReason.REVOKED:
+            return [] if self.link is Link.FAILED else self._fail_session(
+                Miss("", MissReason.AUTH, refusal_detail(refused)))
+        return self._probe(now) if self.link is Link.READY else []
 
     def on_read_posted(self, mm_hash: str, handle: Any, now: float) -> list[Command]:
         """The node posted the transfer of ``mm_hash``; ``handle`` is the plane's."""
@@ -395,7 +425,8 @@ class ConsumerSession:
             v=max(c.versions), session_id=self.session_id, node_id=c.node_id,
             versions=list(c.versions), planes=list(c.planes), compat_hash=c.compat_hash,
             mem_kinds=list(c.mem_kinds), localities=dict(c.localities),
-            features=self._wants_offers())))]
+            features=self._wants_offers() + [FEATURE_RENEW_ACK] * (self.max_version >= 2),
+            cert=b"" if self.admission is None else self.admission.own_cert)))]
 
     def _probe(self, now: float) -> list[Command]:
         self._go("probe")
@@ -413,9 +444,13 @@ class ConsumerSession:
     def _on_welcome(self, msg: Welcome, now: float) -> list[Command]:
         if msg.session_id != self.session_id or self.link is not Link.GREETING:
             return []  # not ours, or not awaited (a duplicate or late Welcome): ignored
-        if msg.status is not Status.OK:
-            reason = NACK_REASON.get(msg.status, MissReason.INTERNAL)
+        if msg.status is not Status.OK:  # a trust refusal (its detail says so) is AUTH
+            reason = MissReason.AUTH if trust_reason(msg.detail) else NACK_REASON.get(
+                msg.status, MissReason.INTERNAL)
             return self._fail_session(Miss("", reason, msg.detail or msg.status.name))
+        why = self.admission and self.admission.accept(self.conn, self.producer_key, msg)
+        if why:  # fleet trust: nothing else of the Welcome is trusted before its certificate
+            return self._fail_session(Miss("", MissReason.AUTH, why))
         if msg.version not in self.config.versions or msg.plane not in self.config.planes:
             return self._fail_session(Miss("", MissReason.VERSION, f"producer chose version "
                                            f"{msg.version} / plane {msg.plane!r}"))
@@ -428,21 +463,6 @@ class ConsumerSession:
         self._go("welcome_ok")
         self._hello_due = None  # answered; the node binds at once
         return [Bind(msg.plane, msg.endpoint)]
-
-    def _refusal(self, mm_hash: str, now: float) -> Miss | None:
-        """Why a new fetch of ``mm_hash`` misses at once (None: it can start)."""
-        if self.failed is not None:
-            return Miss(mm_hash, self.failed.reason, self.failed.detail)
-        if self.backoff.blocked(now):
-            return Miss(mm_hash, MissReason.QUARANTINED,
-                        f"producer quarantined for {self.backoff.until - now:.1f} s more "
-                        f"after: {self.backoff.reason}")
-        if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
-            return Miss(mm_hash, MissReason.INTERNAL,
-                        f"mm_hash must be 1-{MAX_HASH_LEN} characters")
-        if mm_hash in self.fetches:
-            return Miss(mm_hash, MissReason.INTERNAL, "already being fetched")
-        return None
 
     def _fail_session(self, miss: Miss) -> list[Command]:
         """Terminal: every fetch misses (reading ones are quarantined); the link is FAILED."""

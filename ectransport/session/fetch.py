@@ -23,8 +23,11 @@ starts when it issues the grant, after the request was sent, so it cannot have u
 re-used) the blocks before ``valid_until``. An answer handled later is not used (the grant is
 given back and the entry asked again, at most :data:`MAX_LATE_GRANTS` times), and a transfer
 whose completion is observed after it is discarded and reported as a miss (its transfer is
-quarantined as after a read timeout). ``Renew`` frames are not confirmed, so the consumer never
-counts them: a transfer must complete inside the window of its own request.
+quarantined as after a read timeout). An unconfirmed ``Renew`` (v1, or a producer that did not
+grant ``"renew_ack"``) is never counted: the transfer must complete inside the window of its own
+request. A ``RenewAck`` (ECTP v2 §11) moves the window by the same rule, from a moment that
+precedes the producer's extension: ``(Renew sent) + extend_s − margin``
+(:meth:`~ectransport.session.fetches.FetchTable.on_renew_ack`).
 
 **ECTP v2** (protocols/ectp-v2.md): the same window applies to a grant in an ``AckBatch``,
 counted from when its ``ReqBatch`` was sent. Each item must be answered or named in a ``Parked``
@@ -102,7 +105,9 @@ class Backoff:
 class Reading:
     """The READ (or push) of grant ``grant_id`` into the local ``entry`` is posted (``handle``
     once the plane returned it). Usable until ``valid_until``; given up at ``due``. ``offer``:
-    started on a producer's offer (ECTP v2 §10), not on an answered request."""
+    started on a producer's offer (ECTP v2 §10), not on an answered request. ``read_by``: the
+    read's own deadline (posted + ``read_timeout_s``); a confirmed renewal (ECTP v2 §11) moves
+    ``valid_until`` and ``due`` later, never past it."""
 
     grant_id: int
     lease_s: float
@@ -111,6 +116,7 @@ class Reading:
     due: float
     offer: bool = False
     handle: Any = None
+    read_by: float = math.inf
     kind = FetchState.READING
 
 
@@ -142,6 +148,7 @@ FETCH_TRANSITIONS: dict[tuple[FetchState, str], FetchState] = {
     (FetchState.WAITING_ACK, "grant"): FetchState.READING,
     (FetchState.QUEUED, "offer"): FetchState.READING,
     (FetchState.READING, "posted"): FetchState.READING,
+    (FetchState.READING, "renewed"): FetchState.READING,  # a RenewAck (ECTP v2 §11)
     (FetchState.READING, "quarantine"): FetchState.QUARANTINED,
 }
 

@@ -5,16 +5,16 @@ state (each change through :meth:`Fetch.go <ectransport.session.fetch.Fetch.go>`
 It asks (an ``XferReq`` on v1, one ``ReqBatch`` per 64 on v2: :meth:`FetchTable.ask`), applies
 the verdict on each answer (:func:`~ectransport.session.answers.judge`), reads usable grants
 (:meth:`FetchTable.read`), follows the plane's progress, applies deadlines, renews leases
-(``Renew`` every ``lease/6`` by ``2/3·lease``, vLLM's NIXL KV scheme; never counted on, ECTP v1
-§6.3) and quarantines reads given up while their DMA may still land. What it needs of the
-connection is the narrow :class:`Connection` view.
+(:mod:`.renewals`: counted only when the producer confirms them, ECTP v2 §11) and quarantines
+reads given up while their DMA may still land. What it needs of the connection is the narrow
+:class:`~ectransport.session.link.Connection` view.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from ectransport.protocol import (
     MAX_BATCH_ITEMS,
@@ -23,7 +23,7 @@ from ectransport.protocol import (
     AckBatch,
     Grant,
     Parked,
-    Renew,
+    RenewAck,
     ReqBatch,
     ReqItem,
     Status,
@@ -57,30 +57,12 @@ from ectransport.session.fetch import (
     parked_deadline,
 )
 from ectransport.session.grants import notif_for
+from ectransport.session.link import Connection
+from ectransport.session.renewals import Renewals
 from ectransport.settings_schema import ConsumerSettings
 from ectransport.store import AllocFailed, BlockStore
 
 log = logging.getLogger("ectransport.session.consumer")
-
-
-class Connection(Protocol):
-    """What a :class:`FetchTable` needs of its session's connection."""
-
-    conn: str
-    session_id: str
-    version: int | None
-    plane: str | None
-    binding: Any
-    compat_hash: str
-    max_version: int
-
-    @property
-    def live(self) -> bool: ...  # an authenticated control connection (GREETING..READY)
-
-    def penalize(self, now: float, why: str) -> None: ...  # quarantine the producer
-    def ignore(self, why: str, detail: str, n: int = 1) -> None: ...  # count hostile input
-    def emit(self, event: str, **fields: Any) -> None: ...
-    def landed(self) -> None: ...  # a transfer landed: the producer's backoff resets
 
 
 class FetchTable:
@@ -94,7 +76,7 @@ class FetchTable:
         self.quarantine: dict[str, Fetch] = {}
         self.batches = BatchTable()
         self.completions = Completions(link.conn, link.session_id)
-        self._renew_due: float | None = None
+        self.renewals = Renewals()
         self._seq = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -118,8 +100,8 @@ class FetchTable:
 
     def deadlines(self) -> list[float]:
         ds = [f.due for d in (self.fetches, self.quarantine) for f in d.values()]
-        if self._renew_due is not None and self.reads(offers=True):
-            ds.append(self._renew_due)
+        if self.renewals.due is not None and self.reads(offers=True):
+            ds.append(self.renewals.due)
         return ds
 
     def reads(self, *, offers: bool) -> list[Reading]:
@@ -185,11 +167,11 @@ class FetchTable:
             return [*self.done(f.mm_hash, g.grant_id, ok=False),
                     Report(Miss(f.mm_hash, MissReason.NO_SPACE, f"local region cannot hold "
                                 f"{g.entry_bytes} bytes ({entry.reason})"))]
-        if not self.reads(offers=True):
-            self._renew_due = now + g.lease_s / 6
-        due = min(f.final_deadline, now + self.settings.read_timeout_s, window_end)
+        self.renewals.read_started(now, g.lease_s, not self.reads(offers=True))
+        read_by = now + self.settings.read_timeout_s
+        due = min(f.final_deadline, read_by, window_end)
         f.go("offer" if offer else "grant",
-             Reading(g.grant_id, g.lease_s, entry, window_end, due, offer))
+             Reading(g.grant_id, g.lease_s, entry, window_end, due, offer, read_by=read_by))
         notif = (notif_for((self.link.session_id, f.mm_hash, g.grant_id))
                  if self.settings.request_notifications else b"")
         return [PostRead(f.mm_hash, g.plane_grant, entry.runs, g.entry_bytes, notif,
@@ -255,6 +237,24 @@ class FetchTable:
             f.go("parked", replace(st, due=due, parked=True))
         for why, k in strays.items():
             self.link.ignore(why, f"{k} item(s) of a Parked frame for batch {msg.batch_id}", k)
+        return []
+
+    def on_renew_ack(self, msg: RenewAck, now: float) -> list[Command]:
+        """ECTP v2 §11 (:meth:`.Renewals.confirm`): the windows of the reads a confirmed Renew
+        names end at ``(Renew sent) + extend_s − margin`` (the grant's margin) if that is later,
+        their deadlines too (never past their own read deadline). An ack of no outstanding Renew
+        is ignored and counted (``renew_ack_unmatched``); one naming no grant changes nothing."""
+        m = self.renewals.confirm(msg) if msg.grant_ids else None
+        if m is None:
+            if msg.grant_ids:
+                self.link.ignore("renew_ack_unmatched", "a RenewAck of no outstanding Renew")
+            return []
+        for f in self.fetches.values():
+            if isinstance(st := f.state, Reading) and not st.offer and st.grant_id in m.grant_ids:
+                until = m.sent + m.extend_s - min(self.settings.validity_margin_s, st.lease_s / 4)
+                if until > st.valid_until:
+                    f.go("renewed", replace(st, valid_until=until,
+                                            due=min(f.final_deadline, st.read_by, until)))
         return []
 
     def _on_answer(self, f: Fetch, status: Status, g: Grant | None, detail: str, now: float,
@@ -357,15 +357,10 @@ class FetchTable:
         cmds: list[Command] = []
         for f in [f for f in self.fetches.values() if now >= f.due]:
             cmds += self._expire(f, now)
-        reads = self.reads(offers=False)  # a hold's pin is not extended by Renew (§10)
-        c = self.link
-        if reads and self._renew_due is not None and now >= self._renew_due and \
-                c.version is not None:
-            lease = min(r.lease_s for r in reads)
-            cmds.append(Send(c.conn, encode(Renew(
-                v=c.version, session_id=c.session_id,
-                grant_ids=[r.grant_id for r in reads][:4096], extend_s=lease * 2 / 3))))
-            self._renew_due = now + lease / 6
+        c = self.link  # a hold's pin is not extended by Renew (§10): offers' reads are not
+        cmds += self.renewals.poll(c.conn, c.version, c.session_id,
+                                   [(r.grant_id, r.lease_s) for r in self.reads(offers=False)],
+                                   now)
         for q in [q for q in self.quarantine.values() if now >= q.due]:
             cmds += self._settle(q)
         if len(self.batches):
@@ -474,6 +469,7 @@ class FetchTable:
                 del self.fetches[f.mm_hash]
                 cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
         self.batches.clear()
+        self.renewals.reset()
         return cmds
 
     def peer_down(self, now: float, why: str) -> list[Command]:
@@ -488,6 +484,7 @@ class FetchTable:
                 del self.fetches[f.mm_hash]
                 cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, why + " (retryable)")))
         self.batches.clear()  # their answers can no longer come
+        self.renewals.reset()
         return cmds
 
     def settle_all(self) -> list[Command]:  # shutdown

@@ -25,9 +25,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ectransport.protocol import AckItem, Grant, Status
+from ectransport.protocol import (
+    FEATURE_DONES,
+    FEATURE_OFFERS,
+    FEATURE_RENEW_ACK,
+    AckItem,
+    Grant,
+    Renew,
+    RenewAck,
+    Status,
+    encode,
+)
 from ectransport.protocol.messages import MAX_GRANT_BYTES
-from ectransport.session.commands import Command, Revoke
+from ectransport.session.commands import Command, Revoke, Send
 from ectransport.session.pins import PinLedger
 from ectransport.settings_schema import API, ProducerSettings
 from ectransport.store import BlockStore, Run
@@ -97,7 +107,9 @@ class PeerState:
     """One consumer connection that said Hello: its session, negotiated version and plane, and
     the identity its pins are charged to (CURVE key, else the session id). ECTP v2 §10:
     ``offers`` (granted in the Welcome) and ``anchor`` (the ``t`` of its newest ``Sync`` and when
-    it was received)."""
+    it was received); ``node_id``: the consumer's ``Hello.node_id`` (an announcement may name
+    it, or ``identity``, as the one session to offer to). ECTP v2 §11: ``renew_ack`` (granted:
+    every ``Renew`` is answered with a ``RenewAck``)."""
 
     peer: Any
     session_id: str
@@ -106,6 +118,15 @@ class PeerState:
     identity: str
     offers: bool = False
     anchor: tuple[float, float] | None = None
+    node_id: str = ""
+    renew_ack: bool = False
+
+    def features(self) -> tuple[str, ...]:
+        """``Welcome.features`` of the session: ``DoneBatch`` taken (v2), offers and confirmed
+        renewals if granted."""
+        return tuple(f for f, on in ((FEATURE_DONES, self.version >= 2),
+                                     (FEATURE_OFFERS, self.offers),
+                                     (FEATURE_RENEW_ACK, self.renew_ack)) if on)
 
 
 @dataclass
@@ -204,16 +225,36 @@ class GrantTable:
         return self._live.get((session_id, mm_hash))
 
     def renew(self, session_id: str, grant_ids: Sequence[int], extend_s: float,
-              now: float) -> None:
+              now: float) -> tuple[list[int], float]:
         """Extend the leases of ``session_id``'s grants ``grant_ids`` to at least ``now +
-        extend_s`` (at most ``lease_s`` from now; other grant ids are ignored)."""
-        ext = max(0.0, min(float(extend_s), self.settings.lease_s))
+        extend_s`` (at most ``lease_s`` from now, never shorter than they were; other grant ids
+        are ignored).
+
+        Returns:
+            The grant ids renewed (live grants of the session, in the order named, each once)
+            and the extension applied, seconds: what a ``RenewAck`` states (ECTP v2 §11: each
+            named lease now runs at least that long past ``now``, the moment the ``Renew`` was
+            received).
+        """
+        ext = max(0.0, min(float(extend_s), self.settings.lease_s))  # NaN: 0
         mine = self._by_session.get(session_id, {})
+        renewed: dict[int, None] = {}
         for gid in grant_ids[:4096]:
             key = mine.get(gid)
-            if key is not None:
+            if key is not None and gid not in renewed:
                 g = self._grants[key]
                 g.deadline = max(g.deadline, now + ext)
+                renewed[gid] = None
+        return list(renewed), ext
+
+    def on_renew(self, state: PeerState, msg: Renew, now: float) -> list[Command]:
+        """A ``Renew`` of ``state``'s session (:meth:`renew`), answered by a ``RenewAck`` when
+        the session was granted ``"renew_ack"`` (ECTP v2 §11), else unanswered (v1 §4.6)."""
+        renewed, ext = self.renew(state.session_id, msg.grant_ids, msg.extend_s, now)
+        if not state.renew_ack:
+            return []
+        return [Send(state.peer, encode(RenewAck(v=state.version, session_id=state.session_id,
+                                                 grant_ids=renewed, extend_s=ext)))]
 
     def expired(self, now: float) -> list[GrantRecord]:
         return [g for g in self._grants.values() if g.deadline <= now]

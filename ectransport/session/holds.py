@@ -37,13 +37,17 @@ Rules:
   announcement. At most :data:`MAX_PENDING_HOLDS` wait; beyond, the ticket's ``hold_id`` is 0.
 * **A new Welcome** (a reconnect or a quarantine probe on the same connection) clears the
   session's anchor: the consumer forgot its offers, so its next first ``Sync`` replays them.
+* **Targets.** An announcement may name the consumer(s) to offer the entry to (node ids or
+  CURVE keys: ``to``); the hold then keeps them (:attr:`Hold.to`; re-announcing with another
+  name adds it; one announcement naming none makes it a broadcast) and is taken only when one of
+  them takes offers. Who is sent which offer is :mod:`.offering`'s rule.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ectransport.protocol import Grant
@@ -61,13 +65,27 @@ log = logging.getLogger("ectransport.session.producer")
 HOLD_IDENTITY = "\x00holds"
 #: Most entries announced before they were ready whose hold waits for their commit.
 MAX_PENDING_HOLDS = 4096
+#: Most consumers one hold may name.
+MAX_TARGETS = 64
+
+#: The consumers a hold is offered to: node ids or CURVE keys, or None (every session).
+Targets = frozenset[str] | None
+#: ``takers(targets) -> bool``: whether some session named by ``targets`` takes offers now.
+Takers = Callable[[Targets], bool]
+
+
+def joined(a: Targets, b: Targets) -> Targets:
+    """The targets of a hold announced for ``a`` and then for ``b`` (None: everyone)."""
+    if a is None or b is None:
+        return None
+    return frozenset(sorted(a | b)[:MAX_TARGETS])
 
 
 @dataclass(eq=False)
 class Hold:
     """One announcement hold: the pinned entry, its grant on the hold plane, and
     ``offered_until`` (session time): the end of the window its offers state (re-announcing moves
-    it later, never earlier)."""
+    it later, never earlier); ``to``: the consumers it is offered to (None: every session)."""
 
     hold_id: int
     mm_hash: str
@@ -76,6 +94,7 @@ class Hold:
     offered_until: float
     grant: Grant
     served: int = 0
+    to: Targets = None
 
 
 class HoldTable:
@@ -99,9 +118,9 @@ class HoldTable:
         self.emit = emit
         self._holds: dict[int, Hold] = {}
         self._hold_of: dict[str, int] = {}  # mm_hash -> live hold id
-        #: mm_hash -> (hold id, give-up time): announced, not held yet — not READY, or no
-        #: session takes offers now (a hold would pin for nobody)
-        self._pending: dict[str, tuple[int, float]] = {}
+        #: mm_hash -> (hold id, give-up time, targets): announced, not held yet — not READY,
+        #: or no session it is for takes offers now (a hold would pin for nobody)
+        self._pending: dict[str, tuple[int, float, Targets]] = {}
         self.cap_bytes = int(store.region_bytes * max(0.0, settings.hold_share))
         self.plane = next((p for p in order if p in planes and planes[p].offerable), None)
         for k in ("holds", "hold_refused", "hold_expired", "hold_reads"):
@@ -133,28 +152,31 @@ class HoldTable:
                 for h in self._holds.values()]
 
     # -- announcing ----------------------------------------------------------------------------
-    def announce(self, mm_hash: str, now: float,
-                 takers: bool) -> tuple[int | None, list[Hold], list[Command]]:
-        """Announce ``mm_hash``: hold it (or renew its hold). ``takers``: some session takes
-        offers now. Returns the hold id for the ticket (0: no hold can be taken; None: the entry
-        is not in the store at all), the holds to offer now, and commands (a ``Revoke`` of a
+    def announce(self, mm_hash: str, now: float, takers: Takers,
+                 to: Targets = None) -> tuple[int | None, list[Hold], list[Command]]:
+        """Announce ``mm_hash`` for the consumers ``to`` (None: every session): hold it (or
+        renew its hold). ``takers``: whether some session named by given targets takes offers
+        now. Returns the hold id for the ticket (0: no hold can be taken; None: the entry is not
+        in the store at all), the holds to offer now, and commands (a ``Revoke`` of a
         description refused)."""
         if self.store.get(mm_hash) is None:
             return None, [], []
         if self.plane is None or self.cap_bytes <= 0:
             return 0, [], []
         hid = self._hold_of.get(mm_hash)
-        if hid is not None:  # renew: a longer window, offered again
+        if hid is not None:  # renew: a longer window, offered again (to its new targets too)
             h = self._holds[hid]
             h.offered_until = max(h.offered_until, now + self.settings.hold_s)
+            h.to = joined(h.to, to)
             return hid, [h], []
         pending = self._pending.get(mm_hash)
         if pending is None:
             if len(self._pending) >= MAX_PENDING_HOLDS:
                 return 0, [], []
-            pending = (self._new_id(), now + self.settings.hold_s)
-        else:  # announced again before it was held: a later give-up time
-            pending = (pending[0], max(pending[1], now + self.settings.hold_s))
+            pending = (self._new_id(), now + self.settings.hold_s, to)
+        else:  # announced again before it was held: a later give-up time, more targets
+            pending = (pending[0], max(pending[1], now + self.settings.hold_s),
+                       joined(pending[2], to))
         self._pending[mm_hash] = pending
         taken, cmds = self.take_pending([mm_hash], now, takers)
         if pending[0] not in self._holds and mm_hash not in self._pending:
@@ -162,10 +184,11 @@ class HoldTable:
         return pending[0], taken, cmds
 
     def take_pending(self, mm_hashes: Collection[str], now: float,
-                     takers: bool) -> tuple[list[Hold], list[Command]]:
-        """Take the pending holds of ``mm_hashes`` whose entries are READY, if ``takers`` (else
-        they stay pending: no pin for nobody, until a session's first ``Sync`` or their give-up
-        time); drop those whose entry is gone or whose time is over."""
+                     takers: Takers) -> tuple[list[Hold], list[Command]]:
+        """Take the pending holds of ``mm_hashes`` whose entries are READY, if some session they
+        are for takes offers (``takers``; else they stay pending: no pin for nobody, until such a
+        session's first ``Sync`` or their give-up time); drop those whose entry is gone or whose
+        time is over."""
         taken: list[Hold] = []
         cmds: list[Command] = []
         for mm in list(mm_hashes):
@@ -176,24 +199,24 @@ class HoldTable:
             if entry is None or now >= pending[1]:
                 del self._pending[mm]
                 continue
-            if not entry.ready or not takers:
+            if not entry.ready or not takers(pending[2]):
                 continue
             del self._pending[mm]
-            h, refused = self._take(mm, pending[0], now, pending[1])
+            h, refused = self._take(mm, pending[0], now, pending[1], pending[2])
             cmds += refused
             if h is not None:
                 taken.append(h)
         return taken, cmds
 
     def _new_id(self) -> int:
-        pending = {h for h, _ in self._pending.values()}
+        pending = {h for h, _, _ in self._pending.values()}
         while True:
             hid = self.rng.getrandbits(63)
             if hid and hid not in self._holds and hid not in pending:
                 return hid
 
-    def _take(self, mm_hash: str, hold_id: int, now: float,
-              until: float) -> tuple[Hold | None, list[Command]]:
+    def _take(self, mm_hash: str, hold_id: int, now: float, until: float,
+              to: Targets) -> tuple[Hold | None, list[Command]]:
         """Pin the READY entry ``mm_hash`` under a new hold offered until ``until`` and describe
         it; None (counted in ``hold_refused``) when the cap is reached or the plane cannot
         describe it (then a ``Revoke`` of a description refused for its size)."""
@@ -223,7 +246,7 @@ class HoldTable:
         grant = Grant(grant_id=hold_id, entry_bytes=entry.nbytes, num_blocks=entry.num_blocks,
                       block_bytes=self.store.block_bytes, lease_s=float(self.settings.hold_s),
                       plane=plane, plane_grant=plane_grant)
-        h = Hold(hold_id, mm_hash, entry.entry_id, pinned, max(until, now + 1.0), grant)
+        h = Hold(hold_id, mm_hash, entry.entry_id, pinned, max(until, now + 1.0), grant, to=to)
         self._holds[hold_id] = h
         self._hold_of[mm_hash] = hold_id
         self.ledger.charge(HOLD_IDENTITY, pinned)
@@ -250,7 +273,7 @@ class HoldTable:
         cmds: list[Command] = []
         for h in [h for h in self._holds.values() if h.offered_until <= now]:
             cmds += self._end(h, now)
-        for mm in [m for m, (_, until) in self._pending.items() if until <= now]:
+        for mm in [m for m, (_, until, _) in self._pending.items() if until <= now]:
             del self._pending[mm]
         return cmds
 

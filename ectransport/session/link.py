@@ -1,11 +1,16 @@
 """Connection state of a consumer session (ECTP §8.1): the :class:`Link` enum and its
-transition table (h11's rule: an event the table does not list raises, naming state and event)."""
+transition table (h11's rule: an event the table does not list raises, naming state and event);
+:class:`Connection`, the narrow view of it a fetch table has, and :func:`refusal`, why a new
+fetch on it misses at once."""
 
 from __future__ import annotations
 
 import enum
+from typing import Any, Protocol
 
 from ectransport.errors import ProtocolError
+from ectransport.protocol.messages import MAX_HASH_LEN
+from ectransport.session.commands import Miss, MissReason
 
 
 class Link(enum.Enum):
@@ -85,3 +90,41 @@ class PeerBackoff:
         self.until, self.reason, self.probe_due = 0.0, "", False
         self._next_s = self.first_s
         return was
+
+
+def refusal(mm_hash: str, now: float, failed: Miss | None, backoff: PeerBackoff,
+            in_flight: bool) -> Miss | None:
+    """Why a new fetch of ``mm_hash`` misses at once on a session (None: it can start): the
+    session failed (``failed``, its miss again), the producer is in its quarantine
+    (QUARANTINED), the mm_hash is malformed or already being fetched (``in_flight``: INTERNAL)."""
+    if failed is not None:
+        return Miss(mm_hash, failed.reason, failed.detail)
+    if backoff.blocked(now):
+        return Miss(mm_hash, MissReason.QUARANTINED, f"producer quarantined for "
+                    f"{backoff.until - now:.1f} s more after: {backoff.reason}")
+    if not mm_hash or len(mm_hash) > MAX_HASH_LEN:
+        return Miss(mm_hash, MissReason.INTERNAL, f"mm_hash must be 1-{MAX_HASH_LEN} characters")
+    if in_flight:
+        return Miss(mm_hash, MissReason.INTERNAL, "already being fetched")
+    return None
+
+
+class Connection(Protocol):
+    """What a :class:`~ectransport.session.fetches.FetchTable` needs of its session's
+    connection (a :class:`~ectransport.session.consumer.ConsumerSession`)."""
+
+    conn: str
+    session_id: str
+    version: int | None
+    plane: str | None
+    binding: Any
+    compat_hash: str
+    max_version: int
+
+    @property
+    def live(self) -> bool: ...  # an authenticated control connection (GREETING..READY)
+
+    def penalize(self, now: float, why: str) -> None: ...  # quarantine the producer
+    def ignore(self, why: str, detail: str, n: int = 1) -> None: ...  # count hostile input
+    def emit(self, event: str, **fields: Any) -> None: ...
+    def landed(self) -> None: ...  # a transfer landed: the producer's backoff resets

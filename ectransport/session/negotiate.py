@@ -7,6 +7,11 @@ identity), the compatibility hash first (INCOMPAT: nothing else of the Hello is 
 a common version (VERSION: the highest common one is chosen), a common plane that can reach the
 consumer (INCOMPAT: the first of the consumer's list, best first, that the producer offers and
 whose ``reachable`` accepts the consumer's locality token for it).
+
+Before all of them, a producer that admits by certificate (``[trust]``) checks ``Hello.cert``
+against the connection's CURVE key (:mod:`.admission`): a refusal is the refusing ``Welcome`` of
+:func:`untrusted` (NACK_BAD_REQUEST, ``detail`` ``"trust: <reason>: ..."``), which names none of
+the producer's versions or planes. An OK ``Welcome`` carries the producer's own certificate.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ectransport.protocol import Hello, Status, Welcome, encode
+from ectransport.session.admission import refusal_detail
 from ectransport.session.grants import SESSION_ID, PlaneFacts, ProducerConfig
+from ectransport.trust.verify import Refused
 
 log = logging.getLogger("ectransport.session.producer")
 
@@ -74,12 +81,23 @@ def _reaches(facts: PlaneFacts | None, name: str, locality: bytes) -> bool:
 
 def welcome(msg: Hello, config: ProducerConfig, status: Status, version: int = 0,
             plane: str = "", *, detail: str = "", endpoint: bytes = b"",
-            features: tuple[str, ...] = ()) -> bytes:
+            features: tuple[str, ...] = (), cert: bytes = b"") -> bytes:
     """The encoded ``Welcome`` answering ``msg``: the negotiated ``version`` and ``plane`` on
-    OK (with the plane's ``endpoint`` and the ``features`` granted), else the refusal's
-    ``status`` and ``detail``; always this producer's versions, planes and hash."""
+    OK (with the plane's ``endpoint``, the ``features`` granted and this producer's ``cert``),
+    else the refusal's ``status`` and ``detail``; always this producer's versions, planes and
+    hash."""
     return encode(Welcome(
         v=max(config.versions), session_id=msg.session_id, node_id=config.node_id,
         status=status, version=version, plane=plane, versions=list(config.versions),
         planes=list(config.planes), compat_hash=config.compat_hash, detail=detail[:1000],
-        endpoint=endpoint, features=list(features)))
+        endpoint=endpoint, features=list(features), cert=cert))
+
+
+def untrusted(msg: Hello, config: ProducerConfig, refused: Refused) -> bytes:
+    """The encoded ``Welcome`` refusing a Hello whose peer fleet trust did not admit:
+    NACK_BAD_REQUEST, ``detail`` :func:`~.admission.refusal_detail`; no versions, planes or
+    certificate of this producer (the connection gets nothing but the refusal)."""
+    return encode(Welcome(
+        v=max(config.versions), session_id=msg.session_id, node_id=config.node_id,
+        status=Status.NACK_BAD_REQUEST, version=0, plane="", versions=[], planes=[],
+        compat_hash=config.compat_hash, detail=refusal_detail(refused)))

@@ -24,7 +24,8 @@ NACK_NOT_READY when the wait is over. Refused as a whole (same NACK for every it
 pinned): before Hello or for another session (BAD_REQUEST), a foreign compatibility hash
 (INCOMPAT), an mm_hash named twice (BAD_REQUEST); a ``batch_id`` whose items still wait is
 refused with a ``Nack``. An announced entry (:meth:`ProducerSession.announce`) is held and
-offered to the sessions that asked for offers (ECTP v2 §10; :mod:`.holds`).
+offered to the sessions that asked for offers (ECTP v2 §10; :mod:`.holds`). Fleet trust
+(:mod:`.admission`) admits a Hello first, by its certificate: see :meth:`ProducerSession.on_trust_lost`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 from ectransport.protocol import (
     FEATURE_OFFERS,
+    FEATURE_RENEW_ACK,
     AckItem,
     DoneBatch,
     DoneItem,
@@ -54,8 +56,9 @@ from ectransport.protocol import (
     decode,
     encode,
 )
+from ectransport.session.admission import Admission, refusal_detail
 from ectransport.session.commands import Command, Send
-from ectransport.session.frames import ack_frames, offer_frames, rejection
+from ectransport.session.frames import ack_frames, rejection
 from ectransport.session.grants import (
     Answer,
     GrantTable,
@@ -67,11 +70,14 @@ from ectransport.session.grants import (
     notif_for,
     parse_notif,
 )
-from ectransport.session.holds import Hold, HoldTable
-from ectransport.session.negotiate import negotiate, welcome
+from ectransport.session.holds import HoldTable
+from ectransport.session.invariants import check_producer
+from ectransport.session.negotiate import negotiate, untrusted, welcome
+from ectransport.session.offering import OfferRouter
 from ectransport.session.pins import PinLedger
 from ectransport.session.waits import WaitingItem, WaitQueue
 from ectransport.store import BlockStore
+from ectransport.trust.verify import Refused
 
 log = logging.getLogger("ectransport.session.producer")
 
@@ -96,13 +102,15 @@ class ProducerSession:
             ``peer``, ``session_id``, ``mm_hash``, ``grant_id``, ``nbytes``, ``plane`` where known.
         read: ``(runs, nbytes) -> bytes``, an entry's bytes for inline answers (called with the
             node's lock held); None: never inline.
+        admission: fleet trust (:class:`~.admission.Admission`); None: every Hello is admitted.
     """
 
     def __init__(self, config: ProducerConfig, store: BlockStore,
                  planes: Mapping[str, PlaneFacts], *, rng: random.Random | None = None,
                  observer: Callable[[str, dict[str, Any]], None] | None = None,
-                 read: ReadBytes | None = None):
+                 read: ReadBytes | None = None, admission: Admission | None = None):
         self.config = config
+        self.admission = admission
         self.settings = s = config.settings
         self.store = store
         self.planes = dict(planes)
@@ -118,6 +126,7 @@ class ProducerSession:
                                self.stats, self._emit)
         self._peers: dict[Any, PeerState] = {}
         self._sessions: dict[str, Any] = {}  # session_id -> peer
+        self.offering = OfferRouter(self.holds, self._peers, self.stats, s.broadcast_offers)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -140,10 +149,6 @@ class ProducerSession:
     @property
     def active_holds(self) -> int:
         return len(self.holds)
-
-    @property
-    def hold_plane(self) -> str | None:
-        return self.holds.plane
 
     @property
     def hold_cap_bytes(self) -> int:
@@ -175,31 +180,12 @@ class ProducerSession:
         return self.waits.next_deadline()
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping is consistent (for tests): grants indexed once each and held
-        by a live peer, session ids naming their peer, every pinned byte charged to an identity,
-        every pin of a live entry of the same id, every waiting item of a live v2 session.
+        """Assert the bookkeeping is consistent (for tests: :func:`.invariants.check_producer`).
 
         Raises:
             AssertionError: naming the first inconsistency found.
         """
-        pins = self.grants_table.check(self._sessions)
-        charged: dict[str, int] = {}
-        for g in self.grants_table:
-            charged[g.identity] = charged.get(g.identity, 0) + g.pinned_bytes
-        for mm, eid, identity, n in (*self.holds.pins(), *self.ledger.held_back_pins()):
-            pins[(mm, eid)] = pins.get((mm, eid), 0) + 1
-            charged[identity] = charged.get(identity, 0) + n
-        assert charged == self.ledger.by_identity(), \
-            f"budget {self.ledger.by_identity()} != {charged}"
-        for sid, peer in self._sessions.items():
-            st = self._peers.get(peer)
-            assert st is not None and st.session_id == sid, f"session {sid} has no peer"
-        assert len(self._sessions) == len(self._peers), "a peer without its session id"
-        self.waits.check({p: (st.session_id, st.version) for p, st in self._peers.items()})
-        for (mm, eid), n in pins.items():
-            e = self.store.get(mm)
-            assert e is not None and e.entry_id == eid and e.pins >= n, (
-                f"entry {mm[:12]} ({eid}) lacks {n} pins")
+        check_producer(self)
 
     # -- events --------------------------------------------------------------------------------
     def on_frame(self, peer: Any, data: bytes, now: float, user: str = "") -> list[Command]:
@@ -224,9 +210,8 @@ class ProducerSession:
         match msg:
             case Sync():
                 return self._on_sync(peer, state, msg, now)
-            case Renew():
-                self.grants_table.renew(state.session_id, msg.grant_ids, msg.extend_s, now)
-                return []
+            case Renew():  # answered by RenewAck where granted (ECTP v2 §11)
+                return self.grants_table.on_renew(state, msg, now)
             case XferDone():
                 return self._on_done(state, msg, now)
             case DoneBatch():
@@ -241,6 +226,8 @@ class ProducerSession:
     def on_peer_down(self, peer: Any, now: float) -> list[Command]:
         """The consumer went away: its grants end at once (not at their leases) and its
         waiting items are dropped unanswered (nobody is left to read the answer)."""
+        if self.admission is not None:
+            self.admission.forget(peer)
         state = self._peers.pop(peer, None)
         if state is None:
             return []
@@ -248,6 +235,16 @@ class ProducerSession:
         self._sessions.pop(state.session_id, None)
         return [c for key in self.grants_table.keys_of(state.session_id)
                 for c in self.grants_table.end(key, "released_peer_down", now)]
+
+    def on_trust_lost(self, peer: Any, refused: Refused, now: float) -> list[Command]:
+        """Fleet trust no longer admits ``peer``'s live session (:meth:`.Admission.recheck`):
+        it ends as at peer down; the peer is told by a ``Nack`` naming the reason and its next
+        frames are refused as before Hello. (A refused Hello gets the refusal alone, and ends
+        any session on its connection.)"""
+        if peer not in self._peers:
+            return []
+        nack = self._nack(peer, Status.NACK_BAD_REQUEST, refusal_detail(refused))
+        return [nack, *self.on_peer_down(peer, now)]
 
     def on_entries_changed(self, mm_hashes: Collection[str], now: float) -> list[Command]:
         """Entries changed in the store (ready, discarded or evicted): answer the batch items
@@ -269,19 +266,18 @@ class ProducerSession:
                      self.grants_table.answer(w.peer, st, mm, now, inline_max=w.inline_max))
                 cmds += a.cmds
                 self._collect(w, a, answers)
-        taken, more = self.holds.take_pending(mm_hashes, now, self._takers())
-        return cmds + self._answer_frames(answers) + more + self._offer_all(taken)
+        return cmds + self._answer_frames(answers) + self.offering.entries_changed(mm_hashes,
+                                                                                   now)
 
-    def announce(self, mm_hash: str, now: float) -> tuple[Ticket | None, list[Command]]:
-        """Announce ``mm_hash``: hold it (or renew its hold) and offer it to the sessions that
-        take offers. Returns the ticket (``hold_id`` 0 when no hold can be taken; None if the
-        entry is not in the store) and the commands (``Offer`` sends; ``Revoke`` of a
-        description refused)."""
-        hid, taken, cmds = self.holds.announce(mm_hash, now, self._takers())
+    def announce(self, mm_hash: str, now: float, to: str | Collection[str] | None = None,
+                 ) -> tuple[Ticket | None, list[Command]]:
+        """Hold ``mm_hash`` (or renew its hold) and offer it to the consumers ``to`` names
+        (node ids or CURVE keys), or to all when it names none (:mod:`.offering`): the ticket
+        (``hold_id`` 0: no hold; None: not in the store) and the commands."""
+        hid, cmds = self.offering.announce(mm_hash, now, to)
         if hid is None:
             return None, []
-        ticket = Ticket(producer=self.config.node_id, hold_id=hid, mm_hash=mm_hash)
-        return ticket, cmds + self._offer_all(taken)
+        return Ticket(producer=self.config.node_id, hold_id=hid, mm_hash=mm_hash), cmds
 
     def poll(self, now: float) -> list[Command]:
         """Sweep the waits (changes unreported, waits over: NACK_NOT_READY), the holds, the
@@ -317,6 +313,12 @@ class ProducerSession:
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_hello(self, peer: Any, msg: Hello, user: str, now: float) -> list[Command]:
+        adm = self.admission
+        admitted = None if adm is None else adm.check(user, msg.cert, msg.session_id)
+        if isinstance(admitted, Refused):
+            self.nacks[Status.NACK_BAD_REQUEST] = self.nacks.get(Status.NACK_BAD_REQUEST, 0) + 1
+            return [*self.on_peer_down(peer, now), Send(peer, untrusted(msg, self.config,
+                                                                        admitted))]
         owner = self._sessions.get(msg.session_id)
         other = owner is not None and owner != peer and \
             self._peers[owner].identity != (user or msg.session_id)
@@ -342,9 +344,14 @@ class ProducerSession:
         state.offers = (FEATURE_OFFERS in msg.features and state.version >= 2
                         and self.holds.plane is not None and state.plane == self.holds.plane)
         state.anchor = None  # a new Welcome: the consumer forgot its offers and Sync stamps
+        state.node_id = msg.node_id
+        state.renew_ack = FEATURE_RENEW_ACK in msg.features and state.version >= 2
+        if adm is not None and admitted is not None:
+            adm.keep(peer, admitted, msg.session_id)
         return [*cmds, Send(peer, welcome(msg, self.config, Status.OK, state.version,
                                           state.plane, endpoint=facts.endpoint if facts else b"",
-                                          features=(FEATURE_OFFERS,) if state.offers else ()))]
+                                          features=state.features(),
+                                          cert=adm.own_cert if adm is not None else b""))]
 
     def _frame_problem(self, state: PeerState | None, session_id: str,
                        compat_hash: str) -> tuple[Status, str] | None:
@@ -441,16 +448,7 @@ class ProducerSession:
         if not state.offers:
             return [self._nack(peer, Status.NACK_BAD_REQUEST,
                                "Sync on a session not granted offers")]
-        self.stats["syncs"] += 1
-        first = state.anchor is None
-        state.anchor = (float(msg.t), now)
-        if not first:
-            return []
-        # the first Sync: offers of every live hold, and the entries announced while no
-        # session took offers are held now (and offered to all)
-        cmds = self._offer_frames(state, self.holds.live(now))
-        taken, more = self.holds.take_pending(self.holds.pending(), now, True)
-        return cmds + more + self._offer_all(taken)
+        return self.offering.on_sync(state, msg.t, now)
 
     # -- frames --------------------------------------------------------------------------------
     def _collect(self, w: WaitingItem, a: Answer,
@@ -469,21 +467,6 @@ class ProducerSession:
     def _acks(self, peer: Any, v: int, session_id: str, batch_id: int,
               items: list[AckItem]) -> list[Command]:
         return list(ack_frames(peer, v, session_id, batch_id, items))
-
-    def _takers(self) -> bool:
-        """Whether some session would be offered a hold now (granted offers, has an anchor)."""
-        return any(st.offers and st.anchor is not None for st in self._peers.values())
-
-    def _offer_all(self, holds: list[Hold]) -> list[Command]:
-        """``Offer`` frames of ``holds`` to every session that takes them (has an anchor)."""
-        if not holds:
-            return []
-        return [c for st in self._peers.values() if st.offers and st.anchor is not None
-                for c in self._offer_frames(st, holds)]
-
-    def _offer_frames(self, st: PeerState, holds: list[Hold]) -> list[Command]:
-        self.stats["offers"] += sum(h.grant.plane == st.plane for h in holds)
-        return list(offer_frames(st, holds))
 
     def _count_nack(self, status: Status, detail: str, peer: str, session_id: str,
                     mm_hash: str) -> None:

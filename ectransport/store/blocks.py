@@ -271,12 +271,16 @@ class BlockStore:
 
     Eviction: only READY, unpinned entries are evicted, oldest ``mark_ready`` first, and only when an
     allocation can then succeed (fail fast otherwise: vLLM's EmbeddingCache behaves the same).
+    The store does no I/O and calls nobody: what an allocation evicted is recorded, and the owner
+    reads it with :meth:`take_evicted` (a producer node withdraws those entries from the fleet
+    directory). The record is kept only while ``track_evictions`` is set.
 
     Cost: allocating or freeing an entry of k runs is O(k log n) for n free extents (see
     :class:`_FreeExtents`), independent of how fragmented the pool is.
     """
 
-    def __init__(self, num_blocks: int, block_bytes: int, *, max_runs: int = 1024):
+    def __init__(self, num_blocks: int, block_bytes: int, *, max_runs: int = 1024,
+                 track_evictions: bool = False):
         if num_blocks <= 0 or block_bytes <= 0:
             raise ValueError(
                 f"num_blocks and block_bytes must be positive ({num_blocks}, {block_bytes})"
@@ -294,6 +298,9 @@ class BlockStore:
         self._evictable = 0  # blocks of ready, unpinned entries
         self._ids = itertools.count(1)
         self.evictions = 0
+        #: ``(mm_hash, entry_id)`` of the entries evicted since the last :meth:`take_evicted`
+        #: (kept only with ``track_evictions``; an eviction that was undone is not in it)
+        self._evicted: list[tuple[str, int]] | None = [] if track_evictions else None
 
     # -- queries -------------------------------------------------------------------------------
     def get(self, mm_hash: str) -> Entry | None:
@@ -323,6 +330,15 @@ class BlockStore:
     @property
     def region_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
+
+    def take_evicted(self) -> list[tuple[str, int]]:
+        """``(mm_hash, entry_id)`` of every entry evicted by an allocation since the last call,
+        oldest first, and forget them (``[]`` without ``track_evictions``). Discards are not in
+        it: the caller of :meth:`discard` knows them."""
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
+        return out
 
     def blocks_for(self, nbytes: int) -> int:
         """Blocks needed for ``nbytes`` (at least one, so a 0-byte entry still has an address)."""
@@ -430,6 +446,8 @@ class BlockStore:
                     self._ready_order = OrderedDict(sorted(order, key=lambda kv: kv[1]))
                     return False
                 evicted.append(self._evict_oldest())
+            if self._evicted is not None:
+                self._evicted += [(e.mm_hash, e.entry_id) for e, _ in evicted]
             return True
         finally:
             ext.journal = None

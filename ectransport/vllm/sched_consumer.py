@@ -7,7 +7,9 @@ Per feature of a waiting request (``ensure_cache_available``), in order:
 3. landed → admissible (``has_cache_item`` is true, the scheduler will load it);
 4. fetch in flight → defer the request, unless the fetch ended: landed → 3, miss → 2;
 5. no announcement (no params entry, or one without ``peer_host``: vLLM's metadata-only
-   entries) → compute locally;
+   entries) → with a fleet directory (``fleet_url``), what it says
+   (:mod:`ectransport.vllm.fleet`: wait for its answer, fetch from its holders in order, or
+   compute locally); without one, compute locally;
 6. a malformed announcement (:func:`~ectransport.vllm.announcement.read_announcement`: a field
    of the wrong type, out of bounds or missing), announced size or shape ≠ local layout, an
    untrusted producer key → compute locally without fetching (logged, counted in ``outcomes``);
@@ -30,6 +32,7 @@ scheduled or finished and every load of it was reported by all ranks (the schedu
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -44,6 +47,7 @@ from ectransport.vllm.announcement import (
     is_announced,
     read_announcement,
 )
+from ectransport.vllm.fleet import OFFER_TO, FleetSide, Verdict
 from ectransport.vllm.loads import LoadLedger
 from ectransport.vllm.metadata import LoadOrder
 from ectransport.vllm.region import RegionPart
@@ -64,6 +68,8 @@ class _Fetch:
     started: float = 0.0  # scheduler clock when the fetch was submitted (s)
     steps: int = 0  # scheduler steps it stayed in flight
     fast: bool = False  # expected to land at once (an offer, or inline): admit waits for it
+    holders: tuple[Any, ...] = ()  # fleet holders still to try after this one misses
+    fleet: bool = False  # fetched from a fleet holder (no ec_transfer_params)
 
 
 @dataclass
@@ -95,9 +101,10 @@ class ConsumerSide:
         self.part = part
         self.keys = ProducerKeys(settings)
         self.loads = loads
-        self.node = ConsumerNode(layout=layout, security=security, region=part,
+        self.node = ConsumerNode(layout=layout, security=dataclasses.replace(
+                                     security, allow=self.keys.listed), region=part,
                                  settings=settings.common.consumer,
-                                 node=settings.node_section(node_id))
+                                 node=settings.node_section(node_id), trust=settings.common.trust)
         self._fetches: dict[str, _Fetch] = {}
         self._landed: dict[str, _Landed] = {}
         self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally
@@ -107,6 +114,8 @@ class ConsumerSide:
         #: what admit() waited this scheduler step (at most admit_wait_s in all, whatever the
         #: number of requests; reset by step)
         self._admit_spent_s = 0.0
+        #: the fleet directory (``ectransport.vllm.fleet``), set by the scheduler delegate
+        self.fleet: FleetSide | None = None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -133,10 +142,12 @@ class ConsumerSide:
         ECTP v2 §10) or small enough to come inline — are waited for up to ``admit_wait_s``, so
         that the request is admitted in this scheduler step rather than the next."""
         params = getattr(request, "ec_transfer_params", None)
-        if not params or not isinstance(params, dict):
+        params = params if isinstance(params, dict) else {}
+        if not params and self.fleet is None:
             return True
         rid = request.request_id
-        self._check_match(request, params)
+        if params:
+            self._check_match(request, params)
         pending = False
         fast: list[str] = []  # fetches started here that should land at once
         for feature in request.mm_features or ():
@@ -160,7 +171,9 @@ class ConsumerSide:
             if (rid, mm_hash) in self._local:
                 continue
             if mm_hash not in params or not is_announced(params[mm_hash]):
-                continue  # not announced: the encoder runs here
+                if self.fleet is not None and self._from_fleet(rid, mm_hash, feature, now):
+                    pending = True
+                continue  # not announced: the fleet's holder, or the encoder here
             if self._start(rid, mm_hash, feature, params[mm_hash], now):
                 pending = True
                 if self._fetches[mm_hash].fast:
@@ -189,7 +202,7 @@ class ConsumerSide:
             return
         self._checked.add(rid)
         mine = {f.identifier for f in request.mm_features or ()}
-        if mine and not mine.intersection(params):
+        if mine and not mine.intersection(params) and set(params) != {OFFER_TO}:
             self.outcomes["local:no_match"] += len(mine)
             log.warning("EC consumer: request %s carries ec_transfer_params for %d item(s), but "
                         "none is one of its %d multimodal item(s); encoding them locally. vLLM's "
@@ -265,10 +278,47 @@ class ConsumerSide:
                           "started, %d scheduler step(s) later", mm_hash, out.nbytes, out.plane,
                           (now - f.started) * 1e3, f.steps)
         else:
+            if f.holders and now < f.give_up:  # a fleet holder missed: the next one
+                log.info("EC consumer: fleet holder of %s missed (%s); trying the next",
+                         mm_hash, out.reason.value)
+                self._fleet_fetch(f.waiters, mm_hash, f.nbytes, f.holders, now)
+                return False
             self._fall_back(f.waiters, mm_hash, f"miss:{out.reason.value}")
             log.info("EC consumer: fetch of %s missed (%s: %s); computing locally", mm_hash,
                      out.reason.value, out.detail)
+        if f.fleet and self.fleet is not None:
+            self.fleet.fetched(mm_hash, isinstance(out, Held))
         return True
+
+    def _from_fleet(self, rid: str, mm_hash: str, feature: Any, now: float) -> bool:
+        """An item without ``ec_transfer_params``: ask the fleet directory
+        (:meth:`FleetSide.decide <ectransport.vllm.fleet.FleetSide.decide>`, never blocking).
+        True while the request must wait (asked, or fetching from a holder); False when it
+        computes here (nobody holds it, this instance won its claim, or no answer in time)."""
+        assert self.fleet is not None
+        nbytes = int(feature.mm_position.get_num_embeds()) * self.layout.block_bytes
+        d = self.fleet.decide(mm_hash, nbytes, now)
+        if d.verdict is Verdict.PENDING:
+            return True
+        if d.verdict is Verdict.FETCH:
+            self._fleet_fetch({rid}, mm_hash, nbytes, d.holders, now)
+            return True
+        self._fall_back({rid}, mm_hash, f"fleet:{d.verdict.value}")
+        return False
+
+    def _fleet_fetch(self, waiters: set[str], mm_hash: str, nbytes: int,
+                     holders: tuple[Any, ...], now: float) -> None:
+        """Fetch ``mm_hash`` from the first of ``holders`` (the rest tried on a miss, within one
+        ``fetch_timeout_s`` in all)."""
+        h, rest = holders[0], holders[1:]
+        first = self._fetches.get(mm_hash)
+        give_up = first.give_up if first is not None else \
+            now + self.settings.fetch_timeout_s + _GRACE_S
+        left = max(0.1, give_up - _GRACE_S - now)
+        future = self.node.submit_held(ProducerAddress(h.host, h.port, h.public_key), mm_hash,
+                                       timeout_s=min(self.settings.fetch_timeout_s, left))
+        self._fetches[mm_hash] = _Fetch(future, nbytes, give_up, set(waiters), started=now,
+                                        holders=rest, fleet=True)
 
     def _release_late(self, future: Any) -> None:
         out = future.result()

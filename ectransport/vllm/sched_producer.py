@@ -24,12 +24,14 @@ engine steps.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
 from ectransport.store import AllocFailed
 from ectransport.vllm.announcement import TRANSPORT, Announcement
+from ectransport.vllm.fleet import offer_targets
 from ectransport.vllm.metadata import SaveOrder
 from ectransport.vllm.region import RegionPart, SharedRegion
 from ectransport.vllm.settings import Settings
@@ -45,7 +47,8 @@ class ProducerSide:
     """
 
     def __init__(self, settings: Settings, layout: Layout, part: RegionPart, security: Security,
-                 node_id: str, marks: SharedRegion | None = None):
+                 node_id: str, marks: SharedRegion | None = None,
+                 fleet_trusted: Callable[[str, bytes | None], bool] | None = None):
         self.settings = settings
         self.layout = layout
         self.part = part
@@ -56,7 +59,9 @@ class ProducerSide:
         # was once left out here: a wildcard host could not serve the tcp/ucx planes)
         self.node = ProducerNode(layout=layout, security=security, region=part,
                                  settings=settings.common.producer,
-                                 node=settings.node_section(node_id)).start()
+                                 node=settings.node_section(node_id),
+                                 trust=settings.common.trust, fleet=settings.common.fleet,
+                                 fleet_trusted=fleet_trusted).start()
         self._reserved: dict[str, SaveOrder] = {}  # reserved, not yet dispatched
         self._saving: dict[str, tuple[int, float, int]] = {}  # dispatched: entry_id, give-up, slot
         self._drops: list[tuple[str, int]] = []
@@ -173,7 +178,8 @@ class ProducerSide:
             entry = self.node.lookup(mm_hash)
             if entry is None:
                 continue  # never saved, or evicted: the consumer computes it
-            ticket = self.node.announce(mm_hash)  # held and offered (ECTP v2 §10)
+            # held and offered (ECTP v2 §10) to the consumer the request names, if it names one
+            ticket = self.node.announce(mm_hash, to=offer_targets(request))
             items[mm_hash] = Announcement(
                 peer_host=self.settings.announced_host,
                 peer_port=self.node.port,

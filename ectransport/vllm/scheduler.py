@@ -6,8 +6,10 @@ a :class:`ProducerSide` for ``ec_producer``, a :class:`ConsumerSide` for ``ec_co
 the roles that save, the :class:`~ectransport.vllm.local_tier.LocalTier` (a repeated item is
 taken from this instance's own region). The consumer side and the local tier queue their load
 orders in one :class:`~ectransport.vllm.loads.LoadLedger`, which hands them to the workers and
-counts the ranks' reports. Every method is a thin dispatch; the transfer logic lives in the nodes
-and sessions.
+counts the ranks' reports. With a fleet directory (``fleet_url``: :mod:`ectransport.vllm.fleet`)
+items without ``ec_transfer_params`` are looked up (every role), claimed before they are encoded
+(the roles that encode), and the producer node publishes what it holds. Every method is a thin
+dispatch; the transfer logic lives in the nodes and sessions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from ectransport.errors import ConfigError
 from ectransport.node.common import Layout, Security
+from ectransport.vllm.fleet import FleetSide, fleet_trust, holder_announcement
 from ectransport.vllm.loads import LoadLedger
 from ectransport.vllm.local_tier import LocalTier
 from ectransport.vllm.metadata import ECTransportMetadata, ECTransportWorkerMetadata
@@ -29,6 +32,7 @@ from ectransport.vllm.region import SharedRegion, region_path
 from ectransport.vllm.sched_consumer import ConsumerSide
 from ectransport.vllm.sched_producer import ProducerSide
 from ectransport.vllm.settings import Settings
+from ectransport.vllm.trust import ProducerKeys
 
 log = logging.getLogger("ectransport.vllm.scheduler")
 
@@ -100,15 +104,18 @@ class SchedulerDelegate:
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
         self.local: LocalTier | None = None
+        self.fleet: FleetSide | None = None
         self.loads = LoadLedger(expected_load_reports(vllm_config), settings.load_timeout_s)
         self._item_metadata = item_metadata(vllm_config) if producer else None
+        fleet = settings.common.fleet.url is not None
         try:
+            trusted = fleet_trust(ProducerKeys(settings), fetches=consumer) if fleet else None
             first = 0
             if producer:
                 n = total // 2 if consumer else total
                 self.producer = ProducerSide(settings, layout, self.region.part(0, n),
                                              security_for(settings, True), f"ect-p-{key}",
-                                             marks=self.region)
+                                             marks=self.region, fleet_trusted=trusted)
                 first = n
                 if settings.local_cache:
                     self.local = LocalTier(self.producer, self.loads, loads=consumer)
@@ -118,6 +125,13 @@ class SchedulerDelegate:
                                              security_for(settings, False), f"ect-c-{key}",
                                              self.loads,
                                              local=self.local.has if self.local else None)
+            if fleet and trusted is not None:
+                pf = self.producer.node.fleet if self.producer is not None else None
+                self.fleet = FleetSide(settings, layout, trusted=trusted, claims=pf is not None,
+                                       directory=pf.directory if pf is not None else None,
+                                       encoding=pf.encoding if pf is not None else None)
+                if self.consumer is not None:
+                    self.consumer.fleet = self.fleet
         except BaseException:
             self.shutdown()
             raise
@@ -160,11 +174,22 @@ class SchedulerDelegate:
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         return bool((self.consumer is not None and self.consumer.has(identifier)) or
-                    (self.local is not None and self.local.has(identifier)))
+                    (self.local is not None and self.local.has(identifier)) or
+                    self._remote(identifier))
+
+    def _remote(self, mm_hash: str) -> bool:
+        """An ``ec_producer``'s item held by another fleet instance: not encoded here."""
+        return self.consumer is None and self.fleet is not None and \
+            self.fleet.remote_holder(mm_hash) is not None
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         if self.consumer is None:
-            return True
+            if self.fleet is None or self.producer is None:
+                return True
+            node = self.producer.node
+            return self.fleet.admit_encoder(request, num_computed_tokens, time.monotonic(),
+                                            lambda m: node.lookup(m) is not None,
+                                            self.layout.block_bytes)
         return self.consumer.admit(request, num_computed_tokens, time.monotonic())
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
@@ -177,8 +202,11 @@ class SchedulerDelegate:
                 self.local.on_alloc(request, index, now):
             return
         fetched = self.consumer is not None and self.consumer.has(mm_hash)
-        if self.producer is not None and not fetched:
+        if self.producer is not None and not fetched and not self._remote(mm_hash):
             self.producer.on_alloc(request, index)
+            pf = self.producer.node.fleet
+            if pf is not None and self.producer.node.lookup(mm_hash) is None:
+                pf.gone(mm_hash)  # not saved here (region full): a claim of it is given up
         if self.consumer is not None:
             self.consumer.on_alloc(request, index, now)
 
@@ -190,6 +218,8 @@ class SchedulerDelegate:
             meta.saves, meta.drop_saves = self.producer.take_orders(now)
         if self.consumer is not None:
             self.consumer.step(now)
+        if self.fleet is not None:
+            self.fleet.step(now)  # this step's directory lookups: one pipeline
         meta.loads = self.loads.take(now)
         return meta
 
@@ -207,6 +237,11 @@ class SchedulerDelegate:
         if self.producer is None:
             return False, None
         items = self.producer.announce(request)
+        if self._remote_any(request):  # held elsewhere in the fleet: announce that holder
+            for feature in request.mm_features or ():
+                h = self.fleet.remote_holder(feature.identifier) if self.fleet else None
+                if h is not None and feature.identifier not in items:
+                    items[feature.identifier] = holder_announcement(h, self.layout, self.settings)
         if items and self._item_metadata is not None:
             try:
                 vllm_items = self._item_metadata(request.mm_features)
@@ -218,6 +253,9 @@ class SchedulerDelegate:
                 if mm_hash in items:
                     items[mm_hash] = {**theirs, **items[mm_hash]}
         return False, (items or None)
+
+    def _remote_any(self, request: Any) -> bool:
+        return any(self._remote(f.identifier) for f in request.mm_features or ())
 
     def take_unavailable_requests(self) -> set[str]:
         return self.consumer.take_unavailable() if self.consumer is not None else set()
@@ -241,6 +279,9 @@ class SchedulerDelegate:
         if loads is not None:
             loads.close()  # gives back the load pins while the nodes are still open
         self.local = None
+        fleet = getattr(self, "fleet", None)  # None when __init__ failed before setting it
+        if fleet is not None:
+            fleet.close()  # a lookup-only directory; the producer's goes with its node
         for side in (self.consumer, self.producer):
             if side is not None:
                 try:

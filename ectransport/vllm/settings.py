@@ -17,6 +17,12 @@ naming the key, what was expected and what was found. Nothing in this module imp
         "producer_keys": ["/etc/ect/producers"],     # consumer: trusted producer public keys
         "planes": ["nixl"], "fetch_timeout_s": 10.0
     }
+
+or, with fleet trust (``docs/fleet-trust.md``) instead of ``allow_dir`` / ``producer_keys``:
+``"trust_ca": ["/etc/ect/ca-public.pem"], "cert_file": "/etc/ect/encoder-0.cert",
+"revocation_file": ["/etc/ect/revocations.pem"], "admission": "certificate"`` (a consumer then
+connects to the producer key announced in ``ec_transfer_params`` and accepts it only with a
+valid producer certificate for that key).
 """
 
 from __future__ import annotations
@@ -113,6 +119,29 @@ class Settings:
     hold_s: float = key("producer.hold_s", "producer",
                         "announced entries are held and offered to consumer sessions this long")
     admit_wait_s: float = key("vllm.admit_wait_s", "consumer")
+    trust_ca: tuple[str, ...] = key("trust.trust_ca", "both")
+    cert_file: str | None = key("trust.cert_file", "both")
+    revocation_file: tuple[str, ...] = key("trust.revocation_file", "both")
+    admission: str = key("trust.admission", "both", "\"certificate\" or \"either\": a "
+                         "consumer needs no producer_keys (it trusts the announced key whose "
+                         "Welcome carries a valid producer certificate)")
+    fleet_url: str | None = key("fleet.url", "both", "items without ec_transfer_params are "
+                                "looked up there, claimed before they are encoded, and the "
+                                "producer's entries published (docs/fleet.md)")
+    fleet_username: str | None = key("fleet.username", "both")
+    fleet_password_file: str | None = key("fleet.password_file", "both")
+    fleet_tls_ca_file: str | None = key("fleet.tls_ca_file", "both")
+    fleet_tls_cert_file: str | None = key("fleet.tls_cert_file", "both")
+    fleet_tls_key_file: str | None = key("fleet.tls_key_file", "both")
+    fleet_namespace: str = key("fleet.namespace", "both")
+    fleet_instance: str | None = key("fleet.instance", "producer, both",
+                                     "unset = the producer's node id, ect-p-<engine_id>-dp<rank>")
+    fleet_liveness_ttl_s: float = key("fleet.liveness_ttl_s", "producer, both")
+    fleet_lookup_timeout_s: float = key("fleet.lookup_timeout_s", "both")
+    fleet_claim_wait_s: float = key("fleet.claim_wait_s", "producer, both")
+    broadcast_offers: bool = key("producer.broadcast_offers", "producer",
+                                 "a request may name its consumer in ec_transfer_params "
+                                 "{\"ect_offer_to\": node id or key}")
     #: the ec_connector_extra_config these settings were parsed from
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     #: the shared keys as schema settings (the rest at ``settings_schema.VLLM``)
@@ -143,7 +172,15 @@ class Settings:
 
     @property
     def trusts_announced_keys(self) -> bool:
-        return self.producer_keys == (ANNOUNCED,)
+        """The consumer connects to the key announced in ec_transfer_params: ``producer_keys``
+        is "announced", or fleet trust admits producers by certificate and no keys are given."""
+        return self.producer_keys == (ANNOUNCED,) or (
+            not self.producer_keys and self.certificates_admit)
+
+    @property
+    def certificates_admit(self) -> bool:
+        """A valid certificate alone admits a peer (admission ``certificate`` / ``either``)."""
+        return self.admission in ("certificate", "either")
 
     def node_section(self, node_id: str) -> schema.NodeSettings:
         """The node section of either role's node (planes, versions) under ``node_id``; the
@@ -290,10 +327,11 @@ def parse_settings(extra: Mapping[str, Any] | None, *, producer: bool, consumer:
         raise ConfigError(f"{_WHERE} needs 'secret_key_file' (this node's CURVE "
                           "key pair, from `ectransport keys generate`), or 'insecure': true for "
                           "loopback tests without encryption")
-    if consumer and not s.insecure and not s.producer_keys:
+    if consumer and not s.insecure and not s.producer_keys and not s.certificates_admit:
         raise ConfigError("a consumer needs 'producer_keys': the trusted producer public keys "
                           "(Z85 keys, .key files or directories), or \"announced\" to trust the "
-                          "public_key carried in ec_transfer_params")
+                          "public_key carried in ec_transfer_params; or fleet trust: 'trust_ca' "
+                          "with 'admission': \"certificate\"")
     if ANNOUNCED in s.producer_keys and len(s.producer_keys) > 1:
         raise ConfigError("'producer_keys': \"announced\" cannot be combined with explicit keys")
     if s.insecure and (s.secret_key_file or s.allow_dir):

@@ -4,7 +4,10 @@
 can send them too), so the address and key they carry are not trusted by themselves: the consumer
 connects only to producers whose CURVE key is in its ``producer_keys``. With CURVE, a producer
 that does not hold the secret of that key cannot complete the handshake, so a forged address
-yields a miss (local compute), never foreign bytes.
+yields a miss (local compute), never foreign bytes. With fleet trust admitting by certificate
+(``admission`` ``certificate`` / ``either``), an announced key outside ``producer_keys`` is
+dialed too: the producer's Welcome must then carry a valid producer certificate for it, else
+the fetch misses (AUTH).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class ProducerKeys:
     def __init__(self, settings: Settings):
         self.insecure = settings.insecure
         self.announced = settings.trusts_announced_keys
+        self.certificates = settings.certificates_admit
         self._static: set[str] = set()
         self._dirs: list[AllowList] = []
         if not self.announced:
@@ -40,6 +44,11 @@ class ProducerKeys:
 
     def _trusted(self, key: str) -> bool:
         return key in self._static or any(d.admits(key) for d in self._dirs)
+
+    def listed(self, key: str) -> bool:
+        """Whether ``key`` is in ``producer_keys`` (fleet trust's allow-list on a consumer;
+        with "announced" every key is)."""
+        return self.announced or self._trusted(key)
 
     def resolve(self, announced: object) -> tuple[str | None, str]:
         """``(key, "")`` to connect with, or ``(None, why)`` when the fetch must not happen.
@@ -59,7 +68,7 @@ class ProducerKeys:
                               "(producer_keys is \"announced\")")
             return announced, ""
         if announced is not None:
-            if self._trusted(announced):
+            if self._trusted(announced) or self.certificates:  # else its certificate decides
                 return announced, ""
             return None, f"producer key {announced[:8]}... is not in producer_keys"
         keys = set(self._static)

@@ -48,7 +48,6 @@ def test_node_constructors_take_the_schemas_sections_as_defaults(node):
     got = _defaults(cls.__init__)
     for name, section in want.items():
         assert got[name] == section, f"{cls.__name__}({name}=) defaults to {got[name]!r}"
-    s = Settings()
     built = inspect.signature(cls.from_settings)
     assert list(built.parameters)[:2] == ["s", "layout"], built
 
@@ -138,7 +137,8 @@ def test_generated_flags_take_type_range_default_and_help_from_the_schema():
         seen["s"] = cli_settings(ctx).settings
 
     r = CliRunner().invoke(probe, ["--help"], terminal_width=200)
-    assert "Pin lease of a grant, s (as vLLM's ECCPUConnector)  [default: 30.0; x>=0.1]" in r.output
+    assert "while a read is in flight (ECTP v2 RenewAck), so a dead consumer's pins return " \
+        "within lease + grace [default: 5.0; x>=0.1]" in " ".join(r.output.split())
     assert "--port INTEGER RANGE" in r.output and "[default: 5601; 0<=x<=65535]" in r.output
     # the CLI's default, not the API's; no "(...)" around it, no role prefix in the help
     assert "blocks); default 1 GiB  [default: 1073741824; x>=1]" in r.output

@@ -34,7 +34,7 @@ def test_defaults_match_the_nodes_and_operations_doc():
             c.peer_backoff_max_s) == (5.0, 0.02, 0.5, 1.0, 60.0)
     assert s.control.client.options()["handshake_timeout_s"] == 1.5
     p = s.producer
-    assert (p.lease_s, p.port, p.region_bytes) == (30.0, 5601, 1 << 30)
+    assert (p.lease_s, p.grace_s, p.port, p.region_bytes) == (5.0, 2.0, 5601, 1 << 30)
     assert s.control.server.options()["handshake_timeout_s"] == 10.0
     assert s.control.server.options()["peer_rate_per_s"] == 2000.0
     assert "host" not in s.planes.options()["tcp"]  # the node defaults it to the control host

@@ -87,5 +87,11 @@ def test_reduced_cross_matrix_with_the_c_client_and_a_release(tmp_path, c_client
         assert pairs[HEAD][C_CLIENT]["passed"] >= 1, group
         assert pairs[HEAD][release]["passed"] >= 1 and pairs[release][HEAD]["passed"] >= 1, group
         assert C_CLIENT not in pairs  # a consumer-only client has no producer row
+    # fleet trust: certificates between this tree's nodes; this tree's producer refusing (and,
+    # with `either`, serving) the release's and the C client's consumers, which send no
+    # certificate; this tree's consumer refusing the release's producer (no Welcome.cert)
+    trust = t["trust"]["pairs"]
+    assert trust[HEAD][HEAD]["passed"] >= 5 and trust[HEAD][C_CLIENT]["passed"] == 2
+    assert trust[HEAD][release]["passed"] == 2 and trust[release][HEAD]["passed"] == 2
     md = (tmp_path / "report.md").read_text()
     assert "## Implementation × implementation" in md and "**DEVIATION**" not in md

@@ -50,7 +50,8 @@ def _rows(seed: int) -> np.ndarray:
 class Rig:
     """A producer node (never started: stepped here) and a consumer driver on one fake clock."""
 
-    def __init__(self, closing, plane: str = "memory", **consumer: object):
+    def __init__(self, closing, plane: str = "memory", versions: tuple[int, ...] = (1, 2),
+                 **consumer: object):
         self.clock = ManualClock(100.0)
         self.fabric = MemoryFabric(clock=self.clock)
         net = MemoryNetwork()
@@ -66,7 +67,7 @@ class Rig:
         loaded = load_planes((plane,), node_id="logic", region=region, public_key=None,
                              plane_options=planes.options())
         config = ConsumerConfig(
-            node_id="logic", compat_hash=LAYOUT.compat_hash, planes=(plane,),
+            node_id="logic", compat_hash=LAYOUT.compat_hash, planes=(plane,), versions=versions,
             localities=tuple((n, p.locality()) for n, p in loaded.items()),
             settings=ConsumerSettings(**{"read_timeout_s": READ_S, "quarantine_s": 30.0,
                                          **consumer}))
@@ -136,8 +137,9 @@ def test_a_stalled_read_is_quarantined_at_its_deadline_and_settled_once_it_is_ov
 def test_a_completion_seen_after_the_validity_window_is_never_a_fetch(closing):
     """The READ completes just after ``request sent + lease - margin`` (the step that sees it
     checks the plane before it applies deadlines): whatever its bytes, the fetch is a miss
-    (ECTP v1 §6.3), never Fetched."""
-    rig = Rig(closing, validity_margin_s=0.25, read_timeout_s=30.0)
+    (ECTP v1 §6.3), never Fetched. (A v1 consumer: its Renews are never confirmed; confirmed
+    ones, ECTP v2 §11, are in test_renewals.py.)"""
+    rig = Rig(closing, validity_margin_s=0.25, read_timeout_s=30.0, versions=(1,))
     assert rig.producer.put("a", _rows(3))
     sent = rig.clock()  # the request leaves in the first step
     rig.fabric.delay_next(at=sent + LEASE_S - 0.25 + 0.001)

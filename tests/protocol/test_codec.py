@@ -28,6 +28,7 @@ from ectransport.protocol import (
     OfferItem,
     Parked,
     Renew,
+    RenewAck,
     ReqBatch,
     ReqItem,
     Status,
@@ -85,6 +86,7 @@ SAMPLES: dict[str, Any] = {
         mm_hash=MM, grant=Grant(grant_id=7, entry_bytes=10, num_blocks=1, block_bytes=16,
                                 lease_s=10.0, plane="nixl", plane_grant=b"\x04"),
         valid_s=9.5)]),
+    "renew_ack": RenewAck(v=2, session_id=SID, grant_ids=[5, 6], extend_s=3.5),
 }
 ANY_VERSION = {"hello", "welcome"}
 #: the version each sample is written at (the v2 kinds exist since v2)

@@ -239,7 +239,7 @@ def consumer_ready(now=0.0, features=(FEATURE_OFFERS,), **kw):
     bound (its first Sync when offers were granted)."""
     c = consumer(now, **kw)
     (h,) = frames(c.on_up(now))
-    assert h.features == ([FEATURE_OFFERS] if kw.get("offers", True) else [])
+    assert h.features == ([FEATURE_OFFERS] if kw.get("offers", True) else []) + ["renew_ack"]
     w = Welcome(v=2, session_id=SID, node_id="p", status=Status.OK, version=2, plane="nixl",
                 versions=[1, 2], planes=["nixl"], compat_hash=COMPAT, detail="", endpoint=b"e",
                 features=list(features))

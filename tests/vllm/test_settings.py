@@ -63,7 +63,7 @@ def test_bad_values_are_named(extra, message):
 
 
 _PY = {mi.IntType: int, mi.FloatType: float, mi.BoolType: bool, mi.StrType: str,
-       mi.VarTupleType: tuple}
+       mi.VarTupleType: tuple, mi.LiteralType: str}
 
 
 def test_keys_types_and_defaults_are_the_schemas():

@@ -22,6 +22,7 @@ from conftest import model_extra, region_files, wait_for
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
+from ectransport.settings_schema import ProducerSettings
 
 pytestmark = pytest.mark.slow
 _ids = itertools.count()
@@ -76,8 +77,8 @@ def side_node(keys):
 
     def make(layout: Layout = Layout("test/vision-model", "bfloat16", HIDDEN), start=True,
              **kw) -> ProducerNode:
-        n = ProducerNode(layout=layout, region_bytes=1 << 20,
-                         security=Security.from_files(keys.producer_secret, keys.allow_dir), **kw)
+        n = ProducerNode(layout=layout, settings=ProducerSettings(region_bytes=1 << 20, **kw),
+                         security=Security.from_files(keys.producer_secret, keys.allow_dir))
         nodes.append(n)
         return n.start() if start else n
 

@@ -114,9 +114,10 @@ def _fake_producer(keys, model_dir, *, model_id=None):
     ``model_id`` differs: then its compatibility hash does)."""
     from ectransport.node.common import Layout, Security
     from ectransport.node.producer import ProducerNode
+    from ectransport.settings_schema import ProducerSettings
 
     layout = Layout(model_id=model_id or model_dir, dtype="bfloat16", hidden=HIDDEN)
-    return ProducerNode(layout=layout, region_bytes=1 << 20,
+    return ProducerNode(layout=layout, settings=ProducerSettings(region_bytes=1 << 20),
                         security=Security.from_files(keys.producer_secret, keys.allow_dir)).start()
 
 

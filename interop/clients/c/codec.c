@@ -1,5 +1,5 @@
 /* ECTP codec, schema-driven: one field table per message kind (ectp-v1.md sections 3-4,
- * ectp-v2.md sections 3-4 and 10.2) and per tcp plane structure (plane-tcp.md). Decoding is the
+ * ectp-v2.md sections 3-4, 10.2 and 11.1) and per tcp plane structure (plane-tcp.md). Decoding is the
  * two-phase rule of ectp-v1.md section 6 with the SINCE rule of ectp-v2.md section 2. */
 #include "ectp.h"
 
@@ -59,6 +59,9 @@ static const fdef DONE[] = {I("v", 0, 65535), S("session_id", 128), S("mm_hash",
                             I("grant_id", 0, G63), {"ok", F_BOOL, 0, 0, 0, 0, 0, NULL, NULL}, END};
 static const fdef RENEW[] = {I("v", 0, 65535), S("session_id", 128),
                              L("grant_ids", 0, 4096, &E_GRANTID), FL("extend_s", 1, 0), END};
+static const fdef RENEW_ACK[] = {I("v", 0, 65535), S("session_id", 128),
+                                 L("grant_ids", 0, 4096, &E_GRANTID), FL("extend_s", 0, 86400),
+                                 END};
 static const fdef NACK[] = {I("v", 0, 65535), I("status", 0, 7), S("detail", 1024), END};
 static const fdef REQ_ITEM[] = {S("mm_hash", 256), B("dest", 65536), END};
 static const fdef E_REQ_ITEM = {NULL, F_STRUCT, 0, 0, 0, 0, 0, REQ_ITEM, NULL};
@@ -91,7 +94,7 @@ static const struct kind { const char *k; int since, frozen; const fdef *f; } KI
     {"ack", 1, 0, ACK},     {"done", 1, 0, DONE},       {"renew", 1, 0, RENEW},
     {"nack", 1, 0, NACK},   {"reqs", 2, 0, REQS},       {"acks", 2, 0, ACKS},
     {"park", 2, 0, PARK},   {"dones", 2, 0, DONES},     {"sync", 2, 0, SYNC},
-    {"offer", 2, 0, OFFER}, {NULL, 0, 0, NULL}};
+    {"offer", 2, 0, OFFER}, {"renew_ack", 2, 0, RENEW_ACK}, {NULL, 0, 0, NULL}};
 
 /* tcp plane (plane-tcp.md): msgpack maps tagged by key "type" */
 #define TAG(t) {"type", F_TAG, 0, 0, 0, 0, 0, NULL, t}
