@@ -59,8 +59,14 @@ S_CA2 = 0x4C6E8A0B2D3F5172
 
 
 def _issue(ca: CertificateAuthority, key: str, role: str, name: str, serial: int) -> bytes:
-    return ca.issue(curve_key=key, role=role, name=name, not_before=NOT_BEFORE,
-                    not_after=NOT_AFTER, serial=serial)
+    return ca.issue(
+        curve_key=key,
+        role=role,
+        name=name,
+        not_before=NOT_BEFORE,
+        not_after=NOT_AFTER,
+        serial=serial,
+    )
 
 
 def _resign(ca: CertificateAuthority, body_map: dict[str, Any], context: bytes) -> bytes:
@@ -71,71 +77,151 @@ def _resign(ca: CertificateAuthority, body_map: dict[str, Any], context: bytes) 
 
 
 def _flip(data: bytes, at: int) -> bytes:
-    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
 
 
 CERTS: dict[str, tuple[bytes, str]] = {
-    "cert_consumer": (_issue(CA1, CONSUMER_KEY, "consumer", "pd-0", S_CONSUMER),
-                      "CA 1 binds the consumer key to role consumer, name pd-0, Q1 2026."),
-    "cert_producer": (_issue(CA1, PRODUCER_KEY, "producer", "encoder-0", S_PRODUCER),
-                      "CA 1 binds the producer key to role producer, name encoder-0."),
-    "cert_both": (_issue(CA1, CONSUMER_KEY, "both", "epd-0", S_BOTH),
-                  "CA 1: an ec_both instance (producer and consumer)."),
-    "cert_ca2": (_issue(CA2, CONSUMER_KEY, "consumer", "pd-0", S_CA2),
-                 "CA 2 (the CA a rotation moves to) re-issued pd-0's certificate."),
+    "cert_consumer": (
+        _issue(CA1, CONSUMER_KEY, "consumer", "pd-0", S_CONSUMER),
+        "CA 1 binds the consumer key to role consumer, name pd-0, Q1 2026.",
+    ),
+    "cert_producer": (
+        _issue(CA1, PRODUCER_KEY, "producer", "encoder-0", S_PRODUCER),
+        "CA 1 binds the producer key to role producer, name encoder-0.",
+    ),
+    "cert_both": (
+        _issue(CA1, CONSUMER_KEY, "both", "epd-0", S_BOTH),
+        "CA 1: an ec_both instance (producer and consumer).",
+    ),
+    "cert_ca2": (
+        _issue(CA2, CONSUMER_KEY, "consumer", "pd-0", S_CA2),
+        "CA 2 (the CA a rotation moves to) re-issued pd-0's certificate.",
+    ),
 }
 _C = CERTS["cert_consumer"][0]
 _SEALED = open_sealed(_C)
 _BODY = msgspec.msgpack.decode(_SEALED.body)
 
 REVOCATIONS: dict[str, tuple[bytes, str]] = {
-    "revocations_empty": (CA1.revocation_list(seq=1767225600, issued_at=NOT_BEFORE),
-                          "CA 1's first list (what `keys ca init` writes): nothing revoked."),
-    "revocations_serial": (CA1.revocation_list(seq=1767225601, issued_at=NOT_BEFORE + 1,
-                                               serials=[S_CONSUMER]),
-                           "CA 1 revokes certificate cert_consumer by its serial."),
-    "revocations_key": (CA1.revocation_list(seq=1767225602, issued_at=NOT_BEFORE + 2,
-                                            curve_keys=[PRODUCER_KEY]),
-                        "CA 1 revokes the producer's CURVE key (every certificate for it)."),
+    "revocations_empty": (
+        CA1.revocation_list(seq=1767225600, issued_at=NOT_BEFORE),
+        "CA 1's first list (what `keys ca init` writes): nothing revoked.",
+    ),
+    "revocations_serial": (
+        CA1.revocation_list(seq=1767225601, issued_at=NOT_BEFORE + 1, serials=[S_CONSUMER]),
+        "CA 1 revokes certificate cert_consumer by its serial.",
+    ),
+    "revocations_key": (
+        CA1.revocation_list(seq=1767225602, issued_at=NOT_BEFORE + 2, curve_keys=[PRODUCER_KEY]),
+        "CA 1 revokes the producer's CURVE key (every certificate for it).",
+    ),
 }
 
 #: name → (bytes, description): blobs a verifier must refuse (see ``checks``)
 BAD: dict[str, tuple[bytes, str]] = {
-    "cert_bad_signature": (_flip(_C, len(_C) - 1), "cert_consumer with one signature bit "
-                                                   "flipped."),
-    "cert_body_altered": (seal(_flip(_SEALED.body, _SEALED.body.index(b"pd-0")), _SEALED.sig),
-                          "cert_consumer with its name changed to qd-0, signature kept."),
-    "cert_not_canonical": (_C.replace(b"\xa1v\x01", b"\xa1v\xcd\x00\x01", 1),
-                           "cert_consumer with the envelope's v written as a uint16."),
-    "cert_unknown_field": (_resign(CA1, {**_BODY, "extra": 1}, CERT_CONTEXT),
-                           "A correctly signed body with a field this format does not define."),
-    "cert_version_2": (_resign(CA1, {**_BODY, "v": 2}, CERT_CONTEXT),
-                       "A correctly signed body of format version 2."),
+    "cert_bad_signature": (_flip(_C, len(_C) - 1), "cert_consumer with one signature bit flipped."),
+    "cert_body_altered": (
+        seal(_flip(_SEALED.body, _SEALED.body.index(b"pd-0")), _SEALED.sig),
+        "cert_consumer with its name changed to qd-0, signature kept.",
+    ),
+    "cert_not_canonical": (
+        _C.replace(b"\xa1v\x01", b"\xa1v\xcd\x00\x01", 1),
+        "cert_consumer with the envelope's v written as a uint16.",
+    ),
+    "cert_unknown_field": (
+        _resign(CA1, {**_BODY, "extra": 1}, CERT_CONTEXT),
+        "A correctly signed body with a field this format does not define.",
+    ),
+    "cert_version_2": (
+        _resign(CA1, {**_BODY, "v": 2}, CERT_CONTEXT),
+        "A correctly signed body of format version 2.",
+    ),
     "cert_truncated": (_C[:-10], "cert_consumer with its last 10 bytes cut off."),
-    "cert_oversized": (_C + bytes(MAX_CERT_BYTES + 1 - len(_C)),
-                       f"{MAX_CERT_BYTES + 1} bytes: refused before decoding."),
-    "revocations_forged": (_resign(CA2, msgspec.msgpack.decode(open_sealed(
-        REVOCATIONS["revocations_serial"][0]).body), REVOCATIONS_CONTEXT),
-        "revocations_serial's body (naming CA 1) signed by CA 2: refused."),
+    "cert_oversized": (
+        _C + bytes(MAX_CERT_BYTES + 1 - len(_C)),
+        f"{MAX_CERT_BYTES + 1} bytes: refused before decoding.",
+    ),
+    "revocations_forged": (
+        _resign(
+            CA2,
+            msgspec.msgpack.decode(open_sealed(REVOCATIONS["revocations_serial"][0]).body),
+            REVOCATIONS_CONTEXT,
+        ),
+        "revocations_serial's body (naming CA 1) signed by CA 2: refused.",
+    ),
 }
 
 FRAMES: dict[str, tuple[Hello | Welcome, str]] = {
-    "hello_cert": (Hello(v=2, session_id=SID, node_id="pd-0", versions=[1, 2], planes=["nixl"],
-                         compat_hash=COMPAT, mem_kinds=["DRAM"], cert=CERTS["cert_consumer"][0]),
-                   "A consumer's Hello presenting its certificate (cert, last, omitted when "
-                   "empty)."),
-    "welcome_cert": (Welcome(v=2, session_id=SID, node_id="encoder-0", status=Status.OK,
-                             version=2, plane="nixl", versions=[1, 2], planes=["nixl"],
-                             compat_hash=COMPAT, detail="", cert=CERTS["cert_producer"][0]),
-                     "The producer's Welcome presenting its certificate."),
+    "hello_cert": (
+        Hello(
+            v=2,
+            session_id=SID,
+            node_id="pd-0",
+            versions=[1, 2],
+            planes=["nixl"],
+            compat_hash=COMPAT,
+            mem_kinds=["DRAM"],
+            cert=CERTS["cert_consumer"][0],
+        ),
+        "A consumer's Hello presenting its certificate (cert, last, omitted when empty).",
+    ),
+    "welcome_cert": (
+        Welcome(
+            v=2,
+            session_id=SID,
+            node_id="encoder-0",
+            status=Status.OK,
+            version=2,
+            plane="nixl",
+            versions=[1, 2],
+            planes=["nixl"],
+            compat_hash=COMPAT,
+            detail="",
+            cert=CERTS["cert_producer"][0],
+        ),
+        "The producer's Welcome presenting its certificate.",
+    ),
+    "welcome_trust_refused": (
+        Welcome(
+            v=2,
+            session_id=SID,
+            node_id="",
+            status=Status.NACK_BAD_REQUEST,
+            version=0,
+            plane="",
+            versions=[],
+            planes=[],
+            compat_hash="",
+            detail="trust: missing: no certificate presented",
+        ),
+        "A producer's refusal of a Hello that fleet trust did not admit: nothing of the "
+        "producer (no node id, versions, planes, hash or certificate), the Hello's v.",
+    ),
 }
 
 
-def _check(cert: str, key: str, role: str, expect: str, *, cas: tuple[str, ...] = ("ca1",),
-           revocations: tuple[str, ...] = (), now: float = NOW, why: str = "") -> dict[str, Any]:
-    return {"cert": cert, "curve_key": key, "role_wanted": role, "trusted_cas": list(cas),
-            "revocations": list(revocations), "now": now, "skew_s": SKEW, "expect": expect,
-            "description": why}
+def _check(
+    cert: str,
+    key: str,
+    role: str,
+    expect: str,
+    *,
+    cas: tuple[str, ...] = ("ca1",),
+    revocations: tuple[str, ...] = (),
+    now: float = NOW,
+    why: str = "",
+) -> dict[str, Any]:
+    return {
+        "cert": cert,
+        "curve_key": key,
+        "role_wanted": role,
+        "trusted_cas": list(cas),
+        "revocations": list(revocations),
+        "now": now,
+        "skew_s": SKEW,
+        "expect": expect,
+        "description": why,
+    }
 
 
 CHECKS: list[dict[str, Any]] = [
@@ -143,36 +229,117 @@ CHECKS: list[dict[str, Any]] = [
     _check("cert_producer", PRODUCER_KEY, "producer", "admitted", why="valid"),
     _check("cert_both", CONSUMER_KEY, "producer", "admitted", why="both covers producer"),
     _check("cert_both", CONSUMER_KEY, "consumer", "admitted", why="both covers consumer"),
-    _check("cert_consumer", CONSUMER_KEY, "producer", "wrong_role",
-           why="a consumer certificate presented by a producer"),
-    _check("cert_producer", PRODUCER_KEY, "consumer", "wrong_role",
-           why="a producer certificate presented by a consumer"),
-    _check("cert_consumer", PRODUCER_KEY, "consumer", "wrong_key",
-           why="a certificate for another CURVE key than the connection's"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "admitted", now=NOT_AFTER + SKEW,
-           why="last second of the skew tolerance after not_after"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "expired", now=NOT_AFTER + SKEW + 1,
-           why="one second past it"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "admitted", now=NOT_BEFORE - SKEW,
-           why="first second of the skew tolerance before not_before"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "not_yet_valid",
-           now=NOT_BEFORE - SKEW - 1, why="one second before it"),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "producer",
+        "wrong_role",
+        why="a consumer certificate presented by a producer",
+    ),
+    _check(
+        "cert_producer",
+        PRODUCER_KEY,
+        "consumer",
+        "wrong_role",
+        why="a producer certificate presented by a consumer",
+    ),
+    _check(
+        "cert_consumer",
+        PRODUCER_KEY,
+        "consumer",
+        "wrong_key",
+        why="a certificate for another CURVE key than the connection's",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        now=NOT_AFTER + SKEW,
+        why="last second of the skew tolerance after not_after",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "expired",
+        now=NOT_AFTER + SKEW + 1,
+        why="one second past it",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        now=NOT_BEFORE - SKEW,
+        why="first second of the skew tolerance before not_before",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "not_yet_valid",
+        now=NOT_BEFORE - SKEW - 1,
+        why="one second before it",
+    ),
     _check("cert_ca2", CONSUMER_KEY, "consumer", "unknown_ca", why="CA 2 not trusted"),
-    _check("cert_ca2", CONSUMER_KEY, "consumer", "admitted", cas=("ca1", "ca2"),
-           why="rotation: both CAs trusted"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "admitted", cas=("ca1", "ca2"),
-           why="rotation: the old CA's certificates still admitted"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "unknown_ca", cas=("ca2",),
-           why="after the rotation: CA 1 no longer trusted"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "admitted",
-           revocations=("revocations_empty",), why="an empty list revokes nothing"),
-    _check("cert_consumer", CONSUMER_KEY, "consumer", "revoked",
-           revocations=("revocations_serial",), why="revoked by serial"),
-    _check("cert_producer", PRODUCER_KEY, "producer", "revoked",
-           revocations=("revocations_key",), why="revoked by CURVE key"),
-    _check("cert_ca2", CONSUMER_KEY, "consumer", "admitted", cas=("ca1", "ca2"),
-           revocations=("revocations_serial",),
-           why="CA 1's serial revocations do not apply to CA 2's certificates"),
+    _check(
+        "cert_ca2",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        cas=("ca1", "ca2"),
+        why="rotation: both CAs trusted",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        cas=("ca1", "ca2"),
+        why="rotation: the old CA's certificates still admitted",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "unknown_ca",
+        cas=("ca2",),
+        why="after the rotation: CA 1 no longer trusted",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        revocations=("revocations_empty",),
+        why="an empty list revokes nothing",
+    ),
+    _check(
+        "cert_consumer",
+        CONSUMER_KEY,
+        "consumer",
+        "revoked",
+        revocations=("revocations_serial",),
+        why="revoked by serial",
+    ),
+    _check(
+        "cert_producer",
+        PRODUCER_KEY,
+        "producer",
+        "revoked",
+        revocations=("revocations_key",),
+        why="revoked by CURVE key",
+    ),
+    _check(
+        "cert_ca2",
+        CONSUMER_KEY,
+        "consumer",
+        "admitted",
+        cas=("ca1", "ca2"),
+        revocations=("revocations_serial",),
+        why="CA 1's serial revocations do not apply to CA 2's certificates",
+    ),
     _check("cert_bad_signature", CONSUMER_KEY, "consumer", "bad_signature", why="bit flip"),
     _check("cert_body_altered", CONSUMER_KEY, "consumer", "bad_signature", why="body changed"),
     _check("cert_not_canonical", CONSUMER_KEY, "consumer", "malformed", why="not canonical"),
@@ -186,17 +353,23 @@ CHECKS: list[dict[str, Any]] = [
 
 def _fields(data: bytes) -> dict[str, Any]:
     sealed = open_sealed(data)
-    return {"envelope": {"v": sealed.v, "body": "hex:" + sealed.body.hex(),
-                         "sig": "hex:" + sealed.sig.hex()},
-            "body": msgspec.msgpack.decode(sealed.body)}
+    return {
+        "envelope": {
+            "v": sealed.v,
+            "body": "hex:" + sealed.body.hex(),
+            "sig": "hex:" + sealed.sig.hex(),
+        },
+        "body": msgspec.msgpack.decode(sealed.body),
+    }
 
 
 def _frame_fields(msg: Hello | Welcome) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in msg.__struct_fields__:
         v = getattr(msg, f)
-        out[f] = "hex:" + v.hex() if isinstance(v, bytes) else int(v) if isinstance(
-            v, Status) else v
+        out[f] = (
+            "hex:" + v.hex() if isinstance(v, bytes) else int(v) if isinstance(v, Status) else v
+        )
     return out
 
 
@@ -206,30 +379,46 @@ def build() -> dict[str, str]:
     index: dict[str, Any] = {
         "spec": "../../certificates.md",
         "bytes_convention": "bin values are 'hex:' + lowercase hex",
-        "cas": {name: {"seed": "hex:" + seed.hex(), "public": "hex:" + ca.public.raw.hex(),
-                       "key_id": ca.key_id}
-                for name, seed, ca in (("ca1", SEED1, CA1), ("ca2", SEED2, CA2))},
+        "cas": {
+            name: {
+                "seed": "hex:" + seed.hex(),
+                "public": "hex:" + ca.public.raw.hex(),
+                "key_id": ca.key_id,
+            }
+            for name, seed, ca in (("ca1", SEED1, CA1), ("ca2", SEED2, CA2))
+        },
         "curve_keys": {"consumer": CONSUMER_KEY, "producer": PRODUCER_KEY},
-        "certificates": [], "revocation_lists": [], "refused": [], "frames": [],
+        "certificates": [],
+        "revocation_lists": [],
+        "refused": [],
+        "frames": [],
         "checks": CHECKS,
     }
     for name, (data, desc) in CERTS.items():
         files[f"{name}.hex"] = data.hex() + "\n"
-        index["certificates"].append({"name": name, "file": f"{name}.hex", "description": desc,
-                                      **_fields(data)})
+        index["certificates"].append(
+            {"name": name, "file": f"{name}.hex", "description": desc, **_fields(data)}
+        )
     for name, (data, desc) in REVOCATIONS.items():
         files[f"{name}.hex"] = data.hex() + "\n"
-        index["revocation_lists"].append({"name": name, "file": f"{name}.hex",
-                                          "description": desc, **_fields(data)})
+        index["revocation_lists"].append(
+            {"name": name, "file": f"{name}.hex", "description": desc, **_fields(data)}
+        )
     for name, (data, desc) in BAD.items():
         files[f"{name}.hex"] = data.hex() + "\n"
         index["refused"].append({"name": name, "file": f"{name}.hex", "description": desc})
     for name, (msg, desc) in FRAMES.items():
         files[f"{name}.msgpack.hex"] = encode(msg).hex() + "\n"
-        index["frames"].append({"name": name, "file": f"{name}.msgpack.hex",
-                                "kind": type(msg).__struct_config__.tag,
-                                "type": type(msg).__name__, "description": desc,
-                                "fields": _frame_fields(msg)})
+        index["frames"].append(
+            {
+                "name": name,
+                "file": f"{name}.msgpack.hex",
+                "kind": type(msg).__struct_config__.tag,
+                "type": type(msg).__name__,
+                "description": desc,
+                "fields": _frame_fields(msg),
+            }
+        )
     files["index.json"] = json.dumps(index, indent=2, ensure_ascii=False) + "\n"
     return files
 
@@ -239,10 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="verify instead of writing")
     args = ap.parse_args(argv)
     files = build()
-    stale = [p for p, text in files.items()
-             if not (ROOT / p).is_file() or (ROOT / p).read_text(encoding="utf-8") != text]
-    extra = sorted(p.name for p in ROOT.iterdir()
-                   if p.is_file() and p.name not in files) if ROOT.is_dir() else []
+    stale = [
+        p
+        for p, text in files.items()
+        if not (ROOT / p).is_file() or (ROOT / p).read_text(encoding="utf-8") != text
+    ]
+    extra = (
+        sorted(p.name for p in ROOT.iterdir() if p.is_file() and p.name not in files)
+        if ROOT.is_dir()
+        else []
+    )
     if args.check:
         for p in stale:
             print(f"stale or missing: certs/{p}", file=sys.stderr)

@@ -34,7 +34,7 @@ from ectransport.settings_schema import TrustSettings
 from ectransport.trust.errors import TrustError
 from ectransport.trust.files import load_own_cert
 from ectransport.trust.policy import AdmissionMode
-from ectransport.trust.verify import Refused, inspect_cert, iso
+from ectransport.trust.verify import RefusalReason, Refused, inspect_cert, iso
 from ectransport.trust.watch import policy_from_settings
 from ectransport.trust.wire import Role
 
@@ -78,10 +78,16 @@ class NodeTrust:
             invalid; the certificate is not for this node's key or role, or expired.
     """
 
-    def __init__(self, trust: TrustSettings, *, role: Role, public_key: str | None,
-                 allow_list: Callable[[str], bool] | None = None,
-                 observer: Observer | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        trust: TrustSettings,
+        *,
+        role: Role,
+        public_key: str | None,
+        allow_list: Callable[[str], bool] | None = None,
+        observer: Observer | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = trust
         self.role = Role(role)
         self.public_key = public_key
@@ -91,17 +97,25 @@ class NodeTrust:
         own = b""
         if trust.cert_file is not None:
             if not public_key:
-                raise TrustError(f"[trust] cert_file {trust.cert_file} needs this node's CURVE "
-                                 "key ([security] key_file): a plain connection has no key")
+                raise TrustError(
+                    f"[trust] cert_file {trust.cert_file} needs this node's CURVE "
+                    "key ([security] key_file): a plain connection has no key"
+                )
             self._cert_sig = _sig(trust.cert_file)
-            own = load_own_cert(trust.cert_file, curve_key=public_key, role=self.role,
-                                now=wall_clock())
+            own = load_own_cert(
+                trust.cert_file, curve_key=public_key, role=self.role, now=wall_clock()
+            )
             log.info("this node's certificate: %s", _describe(own))
         self.admission = Admission(
-            policy, role_wanted=Role.CONSUMER if self.role is Role.PRODUCER else Role.PRODUCER,
-            own_cert=own, wall_now=wall_clock(), observer=observer)
+            policy,
+            role_wanted=Role.CONSUMER if self.role is Role.PRODUCER else Role.PRODUCER,
+            own_cert=own,
+            wall_now=wall_clock(),
+            observer=observer,
+        )
         self._next_recheck = float("-inf")
         self._next_cert = float("-inf")
+        self._zap_refused = 0  # handshake refusals counted so far (handshake_refusals)
         #: this node's certificate was re-read with new contents since the driver last looked
         #: (the consumer driver clears it after saying Hello again)
         self.renewed = False
@@ -132,14 +146,42 @@ class NodeTrust:
             return True
         return False
 
+    def handshake_refusals(self, total: int) -> None:
+        """The producer's ZAP handler has refused ``total`` CURVE keys so far (the allow-list
+        it enforces at the handshake in admission ``allow_list`` and ``both``): count the new
+        ones as refusals ``not_allow_listed`` and report each (``peer_refused``, ``when``
+        ``handshake``; the key is in the control server's log). Called on the node's thread."""
+        new, self._zap_refused = total - self._zap_refused, max(total, self._zap_refused)
+        if new <= 0:
+            return
+        self.admission.counts[RefusalReason.NOT_ALLOW_LISTED.value] += new
+        obs = self.admission.observer
+        if obs is None:
+            return
+        for _ in range(new):
+            obs(
+                "peer_refused",
+                {
+                    "peer": "",
+                    "session_id": "",
+                    "reason": RefusalReason.NOT_ALLOW_LISTED.value,
+                    "detail": "CURVE key not on the allow-list (refused at the handshake)",
+                    "when": "handshake",
+                    "peer_role": Role.CONSUMER.value,
+                },
+            )
+
     def stats(self) -> dict[str, int]:
-        """``trust_admitted`` (new sessions admitted), ``trust_refused`` (new sessions
-        refused), ``trust_ended`` (live sessions ended by a re-check), ``trust_live``."""
+        """``trust_admitted`` (new sessions admitted), ``trust_refused`` (new sessions refused,
+        and keys refused at the handshake), ``trust_ended`` (live sessions ended by a re-check), ``trust_live``."""
         counts = self.admission.counts
         ended = sum(n for k, n in counts.items() if k.startswith("ended:"))
-        return {"trust_admitted": counts["admitted"],
-                "trust_refused": sum(counts.values()) - counts["admitted"] - ended,
-                "trust_ended": ended, "trust_live": len(self.admission.admitted)}
+        return {
+            "trust_admitted": counts["admitted"],
+            "trust_refused": sum(counts.values()) - counts["admitted"] - ended,
+            "trust_ended": ended,
+            "trust_live": len(self.admission.admitted),
+        }
 
     def _reload_cert(self) -> None:
         path = self.settings.cert_file
@@ -150,8 +192,9 @@ class NodeTrust:
             if sig == self._cert_sig:
                 return
             self._cert_sig = sig
-            own = load_own_cert(path, curve_key=self.public_key, role=self.role,
-                                now=self.wall_clock())
+            own = load_own_cert(
+                path, curve_key=self.public_key, role=self.role, now=self.wall_clock()
+            )
         except (TrustError, OSError) as e:
             log.error("certificate file %s: %s; keeping the certificate in use", path, e)
             return
@@ -168,20 +211,24 @@ def _sig(path: str) -> tuple[int, int, int]:
 
 def _describe(cert: bytes) -> str:
     c = inspect_cert(cert)
-    return (f"{c.name} ({c.role.value}, serial {c.serial}, CA {c.ca}, valid until "
-            f"{iso(c.not_after)})")
+    return (
+        f"{c.name} ({c.role.value}, serial {c.serial}, CA {c.ca}, valid until {iso(c.not_after)})"
+    )
 
 
 def _check_mode(trust: TrustSettings, security: Security) -> AdmissionMode:
     mode = AdmissionMode(trust.admission)
     if mode.uses_certificates and security.insecure:
-        raise ConfigError(f"[trust] admission {mode.value!r} needs CURVE: a plain (insecure) "
-                          "connection has no key for a certificate to be bound to")
+        raise ConfigError(
+            f"[trust] admission {mode.value!r} needs CURVE: a plain (insecure) "
+            "connection has no key for a certificate to be bound to"
+        )
     return mode
 
 
-def serving_trust(trust: TrustSettings, security: Security, allow_list: Any,
-                  observer: Observer | None = None) -> tuple[NodeTrust | None, bool]:
+def serving_trust(
+    trust: TrustSettings, security: Security, allow_list: Any, observer: Observer | None = None
+) -> tuple[NodeTrust | None, bool]:
     """A producer's fleet trust, and whether its ZAP handler must admit every CURVE key
     (admission ``certificate`` / ``either``: then the control server gets no allow-list and
     ``admit_any_key=True``; the allow-list-required rule for non-loopback binds is met by the
@@ -195,20 +242,30 @@ def serving_trust(trust: TrustSettings, security: Security, allow_list: Any,
     """
     mode = _check_mode(trust, security)
     if mode is AdmissionMode.CERTIFICATE and allow_list is not None:
-        raise ConfigError("[trust] admission 'certificate' does not look at allow-lists, but "
-                          "[security] allow_dir (or an allow callback) is set: remove it, or "
-                          "use admission 'either' (allow-list or certificate) or 'both'")
+        raise ConfigError(
+            "[trust] admission 'certificate' does not look at allow-lists, but "
+            "[security] allow_dir (or an allow callback) is set: remove it, or "
+            "use admission 'either' (allow-list or certificate) or 'both'"
+        )
     if mode is AdmissionMode.EITHER and allow_list is None:
-        raise ConfigError("[trust] admission 'either' needs an allow-list ([security] "
-                          "allow_dir): without one use admission 'certificate'")
+        raise ConfigError(
+            "[trust] admission 'either' needs an allow-list ([security] "
+            "allow_dir): without one use admission 'certificate'"
+        )
     listed = allow_list.admits if mode is AdmissionMode.EITHER else None
-    nt = NodeTrust.build(trust, role=Role.PRODUCER, public_key=security.public_key,
-                         allow_list=listed, observer=observer)
+    nt = NodeTrust.build(
+        trust,
+        role=Role.PRODUCER,
+        public_key=security.public_key,
+        allow_list=listed,
+        observer=observer,
+    )
     return nt, mode.zap_admits_any_key
 
 
-def fetching_trust(trust: TrustSettings, security: Security,
-                   observer: Observer | None = None) -> NodeTrust | None:
+def fetching_trust(
+    trust: TrustSettings, security: Security, observer: Observer | None = None
+) -> NodeTrust | None:
     """A consumer's fleet trust. Its allow-list (admission ``either`` / ``both``) is
     ``security.allow`` when given, else every producer key it is told to dial (as without
     certificates: the caller names the key).
@@ -217,8 +274,13 @@ def fetching_trust(trust: TrustSettings, security: Security,
         ConfigError: certificates with ``insecure``; a trust file problem (TrustError).
     """
     _check_mode(trust, security)
-    return NodeTrust.build(trust, role=Role.CONSUMER, public_key=security.public_key,
-                           allow_list=security.allow or _dialed, observer=observer)
+    return NodeTrust.build(
+        trust,
+        role=Role.CONSUMER,
+        public_key=security.public_key,
+        allow_list=security.allow or _dialed,
+        observer=observer,
+    )
 
 
 def _dialed(_key: str) -> bool:

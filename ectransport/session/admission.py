@@ -49,8 +49,14 @@ from ectransport.trust.policy import TrustPolicy
 from ectransport.trust.verify import Admitted, RefusalReason, Refused
 from ectransport.trust.wire import Role
 
-__all__ = ["TRUST_PREFIX", "Admission", "RefusalReason", "Refused", "refusal_detail",
-           "trust_reason"]
+__all__ = [
+    "TRUST_PREFIX",
+    "Admission",
+    "RefusalReason",
+    "Refused",
+    "refusal_detail",
+    "trust_reason",
+]
 
 log = logging.getLogger("ectransport.trust")
 
@@ -94,9 +100,15 @@ class Admission:
             ``"ended:<reason>"`` → live sessions ended by a re-check.
     """
 
-    def __init__(self, policy: TrustPolicy, *, role_wanted: Role, own_cert: bytes = b"",
-                 wall_now: float,
-                 observer: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        policy: TrustPolicy,
+        *,
+        role_wanted: Role,
+        own_cert: bytes = b"",
+        wall_now: float,
+        observer: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.policy = policy
         self.role_wanted = Role(role_wanted)
         self.own_cert = bytes(own_cert)
@@ -117,8 +129,9 @@ class Admission:
         """
         if not math.isfinite(self.wall_now):
             raise ValueError(f"Admission.wall_now is {self.wall_now!r}: the node sets it")
-        got = self.policy.admit(curve_key=curve_key, cert=cert, role_wanted=self.role_wanted,
-                                now=self.wall_now)
+        got = self.policy.admit(
+            curve_key=curve_key, cert=cert, role_wanted=self.role_wanted, now=self.wall_now
+        )
         if isinstance(got, Admitted):
             self.counts["admitted"] += 1
         else:
@@ -134,10 +147,17 @@ class Admission:
         self._sessions[peer] = session_id
         if self.observer is not None:
             c = admitted.cert
-            self.observer("peer_admitted", {
-                "peer": admitted.curve_key, "session_id": session_id, "by": admitted.by,
-                "peer_role": self.role_wanted.value, "name": "" if c is None else c.name,
-                "serial": 0 if c is None else c.serial})
+            self.observer(
+                "peer_admitted",
+                {
+                    "peer": admitted.curve_key,
+                    "session_id": session_id,
+                    "by": admitted.by,
+                    "peer_role": self.role_wanted.value,
+                    "name": "" if c is None else c.name,
+                    "serial": 0 if c is None else c.serial,
+                },
+            )
 
     def accept(self, peer: Any, curve_key: str, welcome: Welcome) -> str:
         """A consumer's check of an OK ``welcome`` from the producer dialed with ``curve_key``:
@@ -155,16 +175,21 @@ class Admission:
 
     def recheck(self) -> list[tuple[Any, Refused]]:
         """Re-check every live admission at :attr:`wall_now` (expiry, revocation, a CA no
-        longer trusted); those that no longer hold are forgotten, reported and returned: end
-        their sessions."""
+        longer trusted) by the admission mode's rules
+        (:meth:`~ectransport.trust.TrustPolicy.recheck`); one that holds on other grounds (in
+        ``either``, the allow-list once the certificate expired) is kept as such; those that
+        no longer hold are forgotten, reported and returned: end their sessions."""
         lost: list[tuple[Any, Refused]] = []
         for peer, a in list(self.admitted.items()):
             got = self.policy.recheck(a, now=self.wall_now)
-            if isinstance(got, Refused):
-                self.counts[f"ended:{got.reason.value}"] += 1
-                self._refused(a.curve_key, self._sessions.get(peer, ""), got, "recheck")
-                self.forget(peer)
-                lost.append((peer, got))
+            if isinstance(got, Admitted):
+                if got is not a:
+                    self.admitted[peer] = got
+                continue
+            self.counts[f"ended:{got.reason.value}"] += 1
+            self._refused(a.curve_key, self._sessions.get(peer, ""), got, "recheck")
+            self.forget(peer)
+            lost.append((peer, got))
         return lost
 
     def _refused(self, curve_key: str, session_id: str, r: Refused, when: str) -> None:
@@ -174,11 +199,25 @@ class Admission:
         first = seen not in self._logged and len(self._logged) < 4096
         if first:
             self._logged.add(seen)
-        log.log(logging.WARNING if first else logging.DEBUG,
-                "%s %s... refused (%s, at %s): %s", self.role_wanted.value,
-                curve_key[:8] or "(no key)", r.reason.value, when, r.detail,
-                extra={"peer": curve_key, "session_id": session_id})
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s %s... refused (%s, at %s): %s",
+            self.role_wanted.value,
+            curve_key[:8] or "(no key)",
+            r.reason.value,
+            when,
+            r.detail,
+            extra={"peer": curve_key, "session_id": session_id},
+        )
         if self.observer is not None:
-            self.observer("peer_refused", {
-                "peer": curve_key, "session_id": session_id, "reason": r.reason.value,
-                "detail": r.detail, "when": when, "peer_role": self.role_wanted.value})
+            self.observer(
+                "peer_refused",
+                {
+                    "peer": curve_key,
+                    "session_id": session_id,
+                    "reason": r.reason.value,
+                    "detail": r.detail,
+                    "when": when,
+                    "peer_role": self.role_wanted.value,
+                },
+            )

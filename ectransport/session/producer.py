@@ -317,8 +317,7 @@ class ProducerSession:
         admitted = None if adm is None else adm.check(user, msg.cert, msg.session_id)
         if isinstance(admitted, Refused):
             self.nacks[Status.NACK_BAD_REQUEST] = self.nacks.get(Status.NACK_BAD_REQUEST, 0) + 1
-            return [*self.on_peer_down(peer, now), Send(peer, untrusted(msg, self.config,
-                                                                        admitted))]
+            return [*self.on_peer_down(peer, now), Send(peer, untrusted(msg, admitted))]
         owner = self._sessions.get(msg.session_id)
         other = owner is not None and owner != peer and \
             self._peers[owner].identity != (user or msg.session_id)

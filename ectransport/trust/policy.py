@@ -4,7 +4,8 @@ One call decides whether a peer is admitted: :meth:`TrustPolicy.admit`, given th
 authenticated CURVE key, the certificate the peer presented (``Hello.cert`` on the producer,
 ``Welcome.cert`` on the consumer; ``b""`` for none), the role wanted and ``now``. A live
 session is re-checked with :meth:`TrustPolicy.recheck` (on a timer, and when the revocation
-lists change).
+lists change) by the same rules: it ends when a new Hello with the same certificate would be
+refused now.
 
 | mode | admitted when | the ZAP handler (handshake) |
 |---|---|---|
@@ -21,6 +22,7 @@ is revoked, is refused in every mode, allow-list or not. Where the ZAP handler a
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Callable
@@ -72,19 +74,29 @@ class TrustPolicy:
             tell an allow-listed key).
     """
 
-    def __init__(self, mode: AdmissionMode | str, store: TrustStore | None = None, *,
-                 allow_list: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        mode: AdmissionMode | str,
+        store: TrustStore | None = None,
+        *,
+        allow_list: Callable[[str], bool] | None = None,
+    ) -> None:
         try:
             self.mode = AdmissionMode(mode)
         except ValueError:
-            raise TrustError(f"admission {mode!r} is not one of "
-                             f"{[m.value for m in AdmissionMode]}") from None
+            raise TrustError(
+                f"admission {mode!r} is not one of {[m.value for m in AdmissionMode]}"
+            ) from None
         if self.mode.uses_certificates and store is None:
-            raise TrustError(f"admission {self.mode.value!r} needs trusted CAs ([trust] "
-                             "trust_ca): without them no certificate can be verified")
+            raise TrustError(
+                f"admission {self.mode.value!r} needs trusted CAs ([trust] "
+                "trust_ca): without them no certificate can be verified"
+            )
         if self.mode is AdmissionMode.EITHER and allow_list is None:
-            raise TrustError("admission 'either' needs the allow-list as a callable: the "
-                             "handshake admits every key in this mode")
+            raise TrustError(
+                "admission 'either' needs the allow-list as a callable: the "
+                "handshake admits every key in this mode"
+            )
         self.store = store
         self.allow_list = allow_list
 
@@ -102,8 +114,9 @@ class TrustPolicy:
             log.exception("allow-list lookup failed for key %s...; not listed", curve_key[:8])
             return False
 
-    def admit(self, *, curve_key: str, cert: bytes, role_wanted: Role,
-              now: float) -> Admitted | Refused:
+    def admit(
+        self, *, curve_key: str, cert: bytes, role_wanted: Role, now: float
+    ) -> Admitted | Refused:
         """Whether the peer of a connection authenticated with ``curve_key`` (Z85: the ZAP
         ``User-Id`` on the producer, the key dialed on the consumer), presenting ``cert``
         (``b""``: none), is admitted as ``role_wanted`` at ``now`` (seconds since the epoch,
@@ -122,30 +135,70 @@ class TrustPolicy:
         if mode is AdmissionMode.ALLOW_LIST:
             if listed:
                 return Admitted(curve_key=curve_key, role_wanted=role_wanted, by="allow_list")
-            return Refused(RefusalReason.NOT_ALLOW_LISTED,
-                           f"CURVE key {curve_key[:8]}... is not on the allow-list")
+            return Refused(
+                RefusalReason.NOT_ALLOW_LISTED,
+                f"CURVE key {curve_key[:8]}... is not on the allow-list",
+            )
         assert store is not None  # checked at construction for every other mode
         if mode is AdmissionMode.BOTH and not listed:
-            return Refused(RefusalReason.NOT_ALLOW_LISTED,
-                           f"CURVE key {curve_key[:8]}... is not on the allow-list (admission "
-                           "'both' needs it and a certificate)")
+            return Refused(
+                RefusalReason.NOT_ALLOW_LISTED,
+                f"CURVE key {curve_key[:8]}... is not on the allow-list (admission "
+                "'both' needs it and a certificate)",
+            )
         got = store.verify(cert, curve_key=curve_key, role_wanted=role_wanted, now=now)
         if isinstance(got, Admitted):
-            by: Literal["certificate", "both"] = "both" if mode is AdmissionMode.BOTH or (
-                mode is AdmissionMode.EITHER and listed) else "certificate"
-            return Admitted(curve_key=curve_key, role_wanted=role_wanted, by=by,
-                            cert=got.cert, raw=got.raw)
-        if mode is AdmissionMode.EITHER and listed and got.reason is not RefusalReason.REVOKED:
-            return Admitted(curve_key=curve_key, role_wanted=role_wanted, by="allow_list")
+            by: Literal["certificate", "both"] = (
+                "both"
+                if mode is AdmissionMode.BOTH or (mode is AdmissionMode.EITHER and listed)
+                else "certificate"
+            )
+            return Admitted(
+                curve_key=curve_key, role_wanted=role_wanted, by=by, cert=got.cert, raw=got.raw
+            )
         if mode is AdmissionMode.EITHER:
-            return Refused(got.reason, f"{got.detail}; and the key is not on the allow-list")
+            return self._either(
+                got, listed, Admitted(curve_key=curve_key, role_wanted=role_wanted, by="allow_list")
+            )
         return got
+
+    @staticmethod
+    def _either(refused: Refused, listed: bool, by_list: Admitted) -> Admitted | Refused:
+        """``either`` once the certificate did not admit: the allow-list does (``by_list``),
+        unless the certificate is revoked (a revocation wins in every mode)."""
+        if listed and refused.reason is not RefusalReason.REVOKED:
+            return by_list
+        if listed:
+            return Refused(
+                refused.reason,
+                f"{refused.detail} (the key is on the allow-list, but a revocation wins in "
+                "every admission mode)",
+            )
+        return Refused(refused.reason, f"{refused.detail}; and the key is not on the allow-list")
 
     def recheck(self, admitted: Admitted, *, now: float) -> Admitted | Refused:
         """Re-check a live session (on the ``expiry_check_s`` timer, and whenever the CA files
-        or revocation lists changed): ``admitted`` while it still holds, else the refusal —
-        end the session. Allow-list admissions end only on a revocation of their key (an
-        allow-list change affects new connections, as it always did)."""
+        or revocation lists changed) by the rules of :meth:`admit` for the same key and
+        certificate at ``now``: an :class:`Admitted` while it still holds (``admitted`` itself,
+        or, in ``either``, a copy ``by="allow_list"`` once the certificate no longer holds but
+        the key is on the allow-list), else the refusal — end the session.
+
+        A revocation ends the session in every mode. Otherwise an allow-list change affects
+        new connections, as it always did, except in ``either``, where the allow-list is asked
+        again whenever the certificate no longer holds (a new Hello would be). An admission
+        without a certificate ends only on a revocation of its key. The certificate that
+        admitted the session stays with it, so that its revocation still ends the session
+        after the allow-list took over."""
         if self.store is None:
             return admitted
-        return self.store.recheck(admitted, now=now)
+        got = self.store.recheck(admitted, now=now)
+        if isinstance(got, Admitted) or self.mode is not AdmissionMode.EITHER:
+            return got
+        if admitted.cert is None:  # by the allow-list alone: only its key's revocation ends it
+            return got
+        kept = (
+            admitted
+            if admitted.by == "allow_list"
+            else dataclasses.replace(admitted, by="allow_list")
+        )
+        return self._either(got, self._listed(admitted.curve_key), kept)

@@ -67,7 +67,9 @@ class RefusalReason(str, enum.Enum):
 class Admitted:
     """The peer with CURVE key ``curve_key`` is admitted as ``role_wanted``, ``by`` its
     certificate, the allow-list, or both. ``cert`` is the verified certificate (None when
-    admitted by the allow-list alone) and ``raw`` its bytes (for re-checking a live session:
+    admitted by the allow-list without one; in admission ``either``, a session admitted by its
+    certificate keeps it when the allow-list takes over after it expired, so that its
+    revocation still ends the session) and ``raw`` its bytes (for re-checking a live session:
     :meth:`ectransport.trust.store.TrustStore.recheck`)."""
 
     ok: ClassVar[bool] = True
@@ -106,8 +108,9 @@ class Revocations:
 
     @classmethod
     def of(cls, lst: RevocationList) -> Revocations:
-        return cls(lst.ca, lst.seq, lst.issued_at, frozenset(lst.serials),
-                   frozenset(lst.curve_keys))
+        return cls(
+            lst.ca, lst.seq, lst.issued_at, frozenset(lst.serials), frozenset(lst.curve_keys)
+        )
 
 
 def iso(t: float) -> str:
@@ -115,7 +118,8 @@ def iso(t: float) -> str:
     ``<n> s``): for messages."""
     try:
         return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
-            "%Y-%m-%dT%H:%M:%SZ")
+            "%Y-%m-%dT%H:%M:%SZ"
+        )
     except (OverflowError, ValueError, OSError):
         return f"{t} s"
 
@@ -142,40 +146,62 @@ def _revocation(cert: NodeCert, revocations: Mapping[str, Revocations]) -> str |
     return key_revocation(cert.curve_key, revocations)
 
 
-def _check_verified(cert: NodeCert, curve_key: str, role_wanted: Role,
-                    revocations: Mapping[str, Revocations], now: float,
-                    skew_s: float) -> Refused | None:
+def _check_verified(
+    cert: NodeCert,
+    curve_key: str,
+    role_wanted: Role,
+    revocations: Mapping[str, Revocations],
+    now: float,
+    skew_s: float,
+) -> Refused | None:
     if not is_curve_key(curve_key):
-        return Refused(RefusalReason.WRONG_KEY,
-                       "the connection has no CURVE key (a plain-text session cannot be "
-                       "admitted by certificate)")
+        return Refused(
+            RefusalReason.WRONG_KEY,
+            "the connection has no CURVE key (a plain-text session cannot be "
+            "admitted by certificate)",
+        )
     if cert.curve_key != curve_key:
-        return Refused(RefusalReason.WRONG_KEY,
-                       f"certificate {cert.serial} ({cert.name}) is for CURVE key "
-                       f"{cert.curve_key[:8]}..., this connection's key is {curve_key[:8]}...")
+        return Refused(
+            RefusalReason.WRONG_KEY,
+            f"certificate {cert.serial} ({cert.name}) is for CURVE key "
+            f"{cert.curve_key[:8]}..., this connection's key is {curve_key[:8]}...",
+        )
     if not cert.role.covers(role_wanted):
-        return Refused(RefusalReason.WRONG_ROLE,
-                       f"certificate {cert.serial} ({cert.name}) is for a {cert.role.value}, "
-                       f"a {role_wanted.value} is needed here")
+        return Refused(
+            RefusalReason.WRONG_ROLE,
+            f"certificate {cert.serial} ({cert.name}) is for a {cert.role.value}, "
+            f"a {role_wanted.value} is needed here",
+        )
     why = _revocation(cert, revocations)
     if why is not None:
         return Refused(RefusalReason.REVOKED, f"certificate {cert.serial} ({cert.name}): {why}")
     if now < cert.not_before - skew_s:
-        return Refused(RefusalReason.NOT_YET_VALID,
-                       f"certificate {cert.serial} ({cert.name}) is valid from "
-                       f"{iso(cert.not_before)}; it is {iso(now)} here (skew tolerance "
-                       f"{skew_s:g} s)")
+        return Refused(
+            RefusalReason.NOT_YET_VALID,
+            f"certificate {cert.serial} ({cert.name}) is valid from "
+            f"{iso(cert.not_before)}; it is {iso(now)} here (skew tolerance "
+            f"{skew_s:g} s)",
+        )
     if now > cert.not_after + skew_s:
-        return Refused(RefusalReason.EXPIRED,
-                       f"certificate {cert.serial} ({cert.name}) expired at "
-                       f"{iso(cert.not_after)}; it is {iso(now)} here (skew tolerance "
-                       f"{skew_s:g} s)")
+        return Refused(
+            RefusalReason.EXPIRED,
+            f"certificate {cert.serial} ({cert.name}) expired at "
+            f"{iso(cert.not_after)}; it is {iso(now)} here (skew tolerance "
+            f"{skew_s:g} s)",
+        )
     return None
 
 
-def verify(cert: bytes, *, curve_key: str, role_wanted: Role,
-           trusted_cas: Mapping[str, CaPublicKey], revocations: Mapping[str, Revocations],
-           now: float, skew_s: float = DEFAULT_SKEW_S) -> Admitted | Refused:
+def verify(
+    cert: bytes,
+    *,
+    curve_key: str,
+    role_wanted: Role,
+    trusted_cas: Mapping[str, CaPublicKey],
+    revocations: Mapping[str, Revocations],
+    now: float,
+    skew_s: float = DEFAULT_SKEW_S,
+) -> Admitted | Refused:
     """Whether the peer presenting ``cert`` on a connection authenticated with ``curve_key``
     is admitted as ``role_wanted``.
 
@@ -199,14 +225,17 @@ def verify(cert: bytes, *, curve_key: str, role_wanted: Role,
     _check_caller(now, skew_s)
     role_wanted = Role(role_wanted)
     if not isinstance(cert, (bytes, bytearray, memoryview)):
-        return Refused(RefusalReason.MALFORMED,
-                       f"a certificate is bytes, got {type(cert).__name__}")
+        return Refused(
+            RefusalReason.MALFORMED, f"a certificate is bytes, got {type(cert).__name__}"
+        )
     size = cert.nbytes if isinstance(cert, memoryview) else len(cert)
     if size == 0:
         return Refused(RefusalReason.MISSING, "no certificate presented")
     if size > MAX_CERT_BYTES:
-        return Refused(RefusalReason.OVERSIZED,
-                       f"certificate of {size} bytes; at most {MAX_CERT_BYTES} are accepted")
+        return Refused(
+            RefusalReason.OVERSIZED,
+            f"certificate of {size} bytes; at most {MAX_CERT_BYTES} are accepted",
+        )
     data = bytes(cert)
     try:
         sealed = open_sealed(data)
@@ -215,18 +244,23 @@ def verify(cert: bytes, *, curve_key: str, role_wanted: Role,
         return Refused(RefusalReason.MALFORMED, str(e)[:300])
     ca = trusted_cas.get(body.ca)
     if ca is None:
-        return Refused(RefusalReason.UNKNOWN_CA,
-                       f"certificate {body.serial} ({body.name}) is signed by CA {body.ca}; "
-                       f"this node trusts {sorted(trusted_cas) or 'no CA'}")
+        return Refused(
+            RefusalReason.UNKNOWN_CA,
+            f"certificate {body.serial} ({body.name}) is signed by CA {body.ca}; "
+            f"this node trusts {sorted(trusted_cas) or 'no CA'}",
+        )
     if not ca.verifies(CERT_CONTEXT, sealed.body, sealed.sig):
-        return Refused(RefusalReason.BAD_SIGNATURE,
-                       f"certificate {body.serial} ({body.name}): the signature does not "
-                       f"verify with CA {body.ca}'s key (altered or forged)")
+        return Refused(
+            RefusalReason.BAD_SIGNATURE,
+            f"certificate {body.serial} ({body.name}): the signature does not "
+            f"verify with CA {body.ca}'s key (altered or forged)",
+        )
     refused = _check_verified(body, curve_key, role_wanted, revocations, now, skew_s)
     if refused is not None:
         return refused
-    return Admitted(curve_key=curve_key, role_wanted=role_wanted, by="certificate", cert=body,
-                    raw=data)
+    return Admitted(
+        curve_key=curve_key, role_wanted=role_wanted, by="certificate", cert=body, raw=data
+    )
 
 
 def inspect_cert(data: bytes) -> NodeCert:
@@ -255,8 +289,7 @@ def check_revocations(data: bytes, *, trusted_cas: Mapping[str, CaPublicKey]) ->
             verify with the key of the CA it names (e.g. signed by another CA).
     """
     if len(data) > MAX_REVOCATIONS_BYTES:
-        raise TrustError(f"revocation list of {len(data)} bytes; at most "
-                         f"{MAX_REVOCATIONS_BYTES}")
+        raise TrustError(f"revocation list of {len(data)} bytes; at most {MAX_REVOCATIONS_BYTES}")
     try:
         sealed = open_sealed(data)
         lst = decode_revocations_body(sealed.body)
@@ -264,10 +297,14 @@ def check_revocations(data: bytes, *, trusted_cas: Mapping[str, CaPublicKey]) ->
         raise TrustError(str(e)) from None
     ca = trusted_cas.get(lst.ca)
     if ca is None:
-        raise UntrustedCaError(f"revocation list seq {lst.seq} is of CA {lst.ca}, which is not "
-                         f"trusted here (trusted: {sorted(trusted_cas) or 'none'})")
+        raise UntrustedCaError(
+            f"revocation list seq {lst.seq} is of CA {lst.ca}, which is not "
+            f"trusted here (trusted: {sorted(trusted_cas) or 'none'})"
+        )
     if not ca.verifies(REVOCATIONS_CONTEXT, sealed.body, sealed.sig):
-        raise TrustError(f"revocation list seq {lst.seq} names CA {lst.ca} but its signature "
-                         "does not verify with that CA's key (signed by another CA, or "
-                         "altered): refused")
+        raise TrustError(
+            f"revocation list seq {lst.seq} names CA {lst.ca} but its signature "
+            "does not verify with that CA's key (signed by another CA, or "
+            "altered): refused"
+        )
     return Revocations.of(lst)

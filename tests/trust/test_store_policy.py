@@ -32,8 +32,12 @@ def test_store_verifies_and_applies_a_newer_revocation_list_only():
     assert not got.ok and got.reason is R.REVOKED
 
     # an older list (a rollback) and a different list with the same seq change nothing
-    up = s.update_revocations([ca(1).revocation_list(seq=9, issued_at=NOW),
-                               ca(1).revocation_list(seq=11, issued_at=NOW, serials=[6])])
+    up = s.update_revocations(
+        [
+            ca(1).revocation_list(seq=9, issued_at=NOW),
+            ca(1).revocation_list(seq=11, issued_at=NOW, serials=[6]),
+        ]
+    )
     assert not up.changed and len(up.problems) == 2
     assert "older" in up.problems[0] and "same seq" in up.problems[1]
     assert s.revocations[ca(1).key_id].seq == 11
@@ -52,8 +56,9 @@ def test_store_refuses_forged_lists_and_ignores_those_of_untrusted_cas():
         store(ca(1), lists=(b"garbage",))
     assert not store(ca(1), lists=(ca(2).revocation_list(seq=1, issued_at=NOW),)).revocations
     s = store(ca(1))
-    up = s.update_revocations([ca(2).revocation_list(seq=1, issued_at=NOW, serials=[1]),
-                               b"garbage"])
+    up = s.update_revocations(
+        [ca(2).revocation_list(seq=1, issued_at=NOW, serials=[1]), b"garbage"]
+    )
     assert not up.changed and len(up.problems) == 1 and len(up.untrusted) == 1
     assert "not trusted" in up.untrusted[0] and not s.revocations
     with pytest.raises(TrustError, match="skew"):
@@ -77,8 +82,7 @@ def test_set_cas_rotation_drops_lists_of_untrusted_cas():
 def test_recheck_ends_a_live_session_on_expiry_revocation_or_distrust():
     key = curve_key()
     s = store(ca(1), ca(2))
-    adm = s.verify(issue(ca(1), key, serial=8), curve_key=key, role_wanted=Role.CONSUMER,
-                   now=NOW)
+    adm = s.verify(issue(ca(1), key, serial=8), curve_key=key, role_wanted=Role.CONSUMER, now=NOW)
     assert isinstance(adm, Admitted)
     assert s.recheck(adm, now=NOW + 3600) is adm
     assert s.recheck(adm, now=NOT_AFTER + SKEW) is adm
@@ -110,16 +114,25 @@ def admit(p: TrustPolicy, key: str, cert: bytes = b"", role: Role = Role.CONSUME
     return p.admit(curve_key=key, cert=cert, role_wanted=role, now=NOW)
 
 
-@pytest.mark.parametrize("mode, listed_no_cert, listed_bad_cert, listed_good, unlisted_good, "
-                         "unlisted_no_cert", [
-    ("allow_list", "allow_list", "allow_list", "allow_list", R.NOT_ALLOW_LISTED,
-     R.NOT_ALLOW_LISTED),
-    ("certificate", R.MISSING, R.UNKNOWN_CA, "certificate", "certificate", R.MISSING),
-    ("either", "allow_list", "allow_list", "both", "certificate", R.MISSING),
-    ("both", R.MISSING, R.UNKNOWN_CA, "both", R.NOT_ALLOW_LISTED, R.NOT_ALLOW_LISTED),
-])
-def test_admission_modes(mode, listed_no_cert, listed_bad_cert, listed_good, unlisted_good,
-                         unlisted_no_cert):
+@pytest.mark.parametrize(
+    "mode, listed_no_cert, listed_bad_cert, listed_good, unlisted_good, unlisted_no_cert",
+    [
+        (
+            "allow_list",
+            "allow_list",
+            "allow_list",
+            "allow_list",
+            R.NOT_ALLOW_LISTED,
+            R.NOT_ALLOW_LISTED,
+        ),
+        ("certificate", R.MISSING, R.UNKNOWN_CA, "certificate", "certificate", R.MISSING),
+        ("either", "allow_list", "allow_list", "both", "certificate", R.MISSING),
+        ("both", R.MISSING, R.UNKNOWN_CA, "both", R.NOT_ALLOW_LISTED, R.NOT_ALLOW_LISTED),
+    ],
+)
+def test_admission_modes(
+    mode, listed_no_cert, listed_bad_cert, listed_good, unlisted_good, unlisted_no_cert
+):
     p = policy(mode)
     cases = {
         "listed_no_cert": (LISTED, b""),
@@ -128,9 +141,13 @@ def test_admission_modes(mode, listed_no_cert, listed_bad_cert, listed_good, unl
         "unlisted_good": (UNLISTED, issue(ca(1), UNLISTED)),
         "unlisted_no_cert": (UNLISTED, b""),
     }
-    want = {"listed_no_cert": listed_no_cert, "listed_bad_cert": listed_bad_cert,
-            "listed_good": listed_good, "unlisted_good": unlisted_good,
-            "unlisted_no_cert": unlisted_no_cert}
+    want = {
+        "listed_no_cert": listed_no_cert,
+        "listed_bad_cert": listed_bad_cert,
+        "listed_good": listed_good,
+        "unlisted_good": unlisted_good,
+        "unlisted_no_cert": unlisted_no_cert,
+    }
     for name, (key, cert) in cases.items():
         got = admit(p, key, cert)
         if isinstance(want[name], RefusalReason):  # (a str enum: test it first)
@@ -143,8 +160,10 @@ def test_admission_modes(mode, listed_no_cert, listed_bad_cert, listed_good, unl
 
 @pytest.mark.parametrize("mode", ["allow_list", "certificate", "either", "both"])
 def test_a_revocation_wins_in_every_mode(mode):
-    s = store(ca(1), lists=(ca(1).revocation_list(seq=1, issued_at=NOW, curve_keys=[LISTED],
-                                                  serials=[99]),))
+    s = store(
+        ca(1),
+        lists=(ca(1).revocation_list(seq=1, issued_at=NOW, curve_keys=[LISTED], serials=[99]),),
+    )
     p = TrustPolicy(mode, s, allow_list=lambda k: True)
     got = admit(p, LISTED, issue(ca(1), LISTED))
     assert not got.ok and got.reason is R.REVOKED
@@ -175,8 +194,7 @@ def test_a_raising_allow_list_admits_nobody():
 
     got = admit(TrustPolicy("allow_list", allow_list=boom), LISTED)
     assert not got.ok and got.reason is R.NOT_ALLOW_LISTED
-    got = admit(TrustPolicy("either", store(ca(1)), allow_list=boom), LISTED,
-                issue(ca(1), LISTED))
+    got = admit(TrustPolicy("either", store(ca(1)), allow_list=boom), LISTED, issue(ca(1), LISTED))
     assert got.ok and got.by == "certificate"
 
 
@@ -199,3 +217,46 @@ def test_policy_recheck():
     bare = TrustPolicy("allow_list")
     by_list = admit(bare, LISTED)
     assert bare.recheck(by_list, now=NOW) is by_list
+
+
+@pytest.mark.parametrize("mode", ["certificate", "either", "both"])
+def test_a_recheck_applies_the_admission_rules_of_the_mode(mode):
+    """A live session is re-checked as a new Hello with the same certificate would be
+    admitted: in ``either`` a listed key outlives its certificate (the allow-list admits it),
+    an unlisted one does not; in ``certificate`` and ``both`` the certificate must hold."""
+    p = policy(mode)
+    late = NOT_AFTER + SKEW + 1
+    listed_cert = issue(ca(1), LISTED, serial=21)
+    adm = admit(p, LISTED, listed_cert)
+    assert adm.ok and adm.by == ("certificate" if mode == "certificate" else "both")
+    got = fallback = p.recheck(adm, now=late)
+    new_hello = p.admit(curve_key=LISTED, cert=listed_cert, role_wanted=Role.CONSUMER, now=late)
+    assert got.ok == new_hello.ok, (got, new_hello)
+    if mode == "either":
+        assert got.ok and got.by == "allow_list" and got.curve_key == LISTED
+        assert p.recheck(got, now=late) == got  # and it stays so
+    else:
+        assert got.reason is R.EXPIRED
+    unlisted = admit(p, UNLISTED, issue(ca(1), UNLISTED))
+    if mode != "both":
+        got = p.recheck(unlisted, now=late)
+        assert got.reason is R.EXPIRED
+        if mode == "either":
+            assert "not on the allow-list" in got.detail
+    # a revocation of the certificate still wins, also after the allow-list took over
+    assert p.store is not None
+    p.store.update_revocations([ca(1).revocation_list(seq=1, issued_at=NOW, serials=[21])])
+    for a in (adm, fallback) if fallback.ok else (adm,):
+        assert p.recheck(a, now=NOW).reason is R.REVOKED
+        assert p.recheck(a, now=late).reason is R.REVOKED
+
+
+def test_either_details_say_what_is_true_of_the_allow_list():
+    s = store(ca(1), lists=(ca(1).revocation_list(seq=1, issued_at=NOW, serials=[31]),))
+    p = TrustPolicy("either", s, allow_list=lambda k: k == LISTED)
+    got = admit(p, LISTED, issue(ca(1), LISTED, serial=31))
+    assert got.reason is R.REVOKED
+    assert "not on the allow-list" not in got.detail
+    assert "on the allow-list" in got.detail and "revoked" in got.detail
+    got = admit(p, UNLISTED, issue(ca(1), UNLISTED, serial=31))
+    assert got.reason is R.REVOKED and "not on the allow-list" in got.detail

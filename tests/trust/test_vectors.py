@@ -12,11 +12,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from ectransport.protocol import decode, encode
+from ectransport.protocol import Hello, Status, decode, encode
 from ectransport.protocol.messages import KINDS
+from ectransport.session.admission import trust_reason
+from ectransport.session.negotiate import untrusted
 from ectransport.trust import (
     CaPublicKey,
     CertificateAuthority,
+    RefusalReason,
+    Refused,
     Role,
     TrustError,
     check_revocations,
@@ -47,8 +51,9 @@ def _hex(value: Any) -> Any:
 
 
 def test_generator_matches_files():
-    spec = importlib.util.spec_from_file_location("gen_cert_vectors",
-                                                  REPO / "protocols" / "gen_cert_vectors.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_cert_vectors", REPO / "protocols" / "gen_cert_vectors.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -61,8 +66,9 @@ def test_ca_keys_derive_from_their_seeds():
         assert authority.public == CAS[name] and authority.key_id == c["key_id"]
 
 
-@pytest.mark.parametrize("vec", INDEX["certificates"] + INDEX["revocation_lists"],
-                         ids=lambda v: v["name"])
+@pytest.mark.parametrize(
+    "vec", INDEX["certificates"] + INDEX["revocation_lists"], ids=lambda v: v["name"]
+)
 def test_signed_objects_decode_to_their_listed_fields(vec):
     data = blob(vec["name"])
     sealed = open_sealed(data)
@@ -78,27 +84,47 @@ def test_signed_objects_decode_to_their_listed_fields(vec):
         assert sorted(r.serials) == vec["body"]["serials"]
 
 
-@pytest.mark.parametrize("case", INDEX["checks"],
-                         ids=lambda c: f"{c['cert'] or 'empty'}-{c['expect']}")
+@pytest.mark.parametrize(
+    "case", INDEX["checks"], ids=lambda c: f"{c['cert'] or 'empty'}-{c['expect']}"
+)
 def test_verification_cases(case):
     cas = trusted(CAS[n] for n in case["trusted_cas"])
     revs = {}
     for name in case["revocations"]:
         r = check_revocations(blob(name), trusted_cas=cas)
         revs[r.ca] = r
-    got = verify(blob(case["cert"]), curve_key=case["curve_key"],
-                 role_wanted=Role(case["role_wanted"]), trusted_cas=cas, revocations=revs,
-                 now=case["now"], skew_s=case["skew_s"])
+    got = verify(
+        blob(case["cert"]),
+        curve_key=case["curve_key"],
+        role_wanted=Role(case["role_wanted"]),
+        trusted_cas=cas,
+        revocations=revs,
+        now=case["now"],
+        skew_s=case["skew_s"],
+    )
     assert ("admitted" if got.ok else got.reason.value) == case["expect"], got
 
 
 def test_every_refusal_reason_but_the_policys_has_a_case():
     expected = {c["expect"] for c in INDEX["checks"]}
-    assert expected >= {"admitted", "malformed", "oversized", "unknown_ca", "bad_signature",
-                        "expired", "not_yet_valid", "wrong_key", "wrong_role", "revoked",
-                        "missing"}
-    listed = {v["file"] for k in ("certificates", "revocation_lists", "refused", "frames")
-              for v in INDEX[k]}
+    assert expected >= {
+        "admitted",
+        "malformed",
+        "oversized",
+        "unknown_ca",
+        "bad_signature",
+        "expired",
+        "not_yet_valid",
+        "wrong_key",
+        "wrong_role",
+        "revoked",
+        "missing",
+    }
+    listed = {
+        v["file"]
+        for k in ("certificates", "revocation_lists", "refused", "frames")
+        for v in INDEX[k]
+    }
     assert listed | {"index.json"} == {p.name for p in ROOT.iterdir()}
 
 
@@ -115,11 +141,23 @@ def test_hello_and_welcome_with_a_certificate_round_trip(vec):
     got = decode(data, versions=[vec["fields"]["v"]])
     assert got == expected and encode(got) == data
     raw = msgspec.msgpack.decode(data)
+    if getattr(got, "status", Status.OK) is not Status.OK:  # a trust refusal: nothing of it
+        assert vec["kind"] == "welcome" and trust_reason(got.detail) is not None
+        assert (got.node_id, got.compat_hash, got.versions, got.planes) == ("", "", [], [])
+        assert "cert" not in raw and "endpoint" not in raw and "features" not in raw
+        return
     assert list(raw)[-1] == "cert"  # written last, after every other field
     assert raw["cert"] == blob("cert_consumer" if vec["kind"] == "hello" else "cert_producer")
     # without the certificate the frame is byte for byte the one a node without trust sends
     plain = msgspec.structs.replace(got, cert=b"")
     assert "cert" not in msgspec.msgpack.decode(encode(plain))
+
+
+def test_the_producers_trust_refusal_is_the_vector_byte_for_byte():
+    hello = decode(blob("hello_cert", ".msgpack.hex"), versions=[1, 2])
+    assert isinstance(hello, Hello)
+    refused = Refused(RefusalReason.MISSING, "no certificate presented")
+    assert untrusted(hello, refused) == blob("welcome_trust_refused", ".msgpack.hex")
 
 
 def test_spec_links_every_vector():
