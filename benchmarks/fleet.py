@@ -18,7 +18,8 @@ same run, on the same machine:
 
 Measured per mode: encoder runs per distinct image (target 1.0 with the fleet), fleet hit rate
 (requests served by a fetch from another instance / requests not held locally), the directory's
-lookup round trip p50/p99, the directory cost per request (the time of its round trips with
+lookup round trip p50/p99 (every round trip of every instance while serving, pooled: a
+``claim_or_wait`` attempt or poll is one), the directory cost per request (the time of its round trips with
 Redis, not the wait for a claimant; target ≤ 1 ms p50 on loopback), and the time to the encoder
 output per request (what the encoder adds to TTFT: a local hit, a fetch, a wait for the
 claimant, or an encode) p50/p99, and the makespan. Every fetched entry is checked: its SHA-256
@@ -102,26 +103,39 @@ def worker(spec: dict) -> int:
     layout = Layout(model_id=enc.model_id, dtype="bfloat16", hidden=3584)
     images = variants(spec["images"])
     trusted = set(spec["trusted"])
-    fleet = FleetSettings(url=spec["url"], instance=spec["name"], claim_wait_s=30.0) \
-        if spec["url"] else FleetSettings()
+    fleet = (
+        FleetSettings(url=spec["url"], instance=spec["name"], claim_wait_s=30.0)
+        if spec["url"]
+        else FleetSettings()
+    )
     sec = Security(public_key=spec["public"], secret_key=spec["secret"])
     planes = (spec["plane"],)
-    producer = ProducerNode(layout=layout, security=sec,
-                            settings=ProducerSettings(region_bytes=256 << 20),
-                            node=NodeSettings(planes=planes, node_id=spec["name"]),
-                            fleet=fleet, fleet_trusted=lambda k, c: k in trusted).start()
-    consumer = ConsumerNode(layout=layout, security=sec,
-                            settings=ConsumerSettings(region_bytes=32 << 20, fetch_timeout_s=10.0,
-                                                      hello_timeout_s=2.0),
-                            node=NodeSettings(planes=planes))
+    producer = ProducerNode(
+        layout=layout,
+        security=sec,
+        settings=ProducerSettings(region_bytes=256 << 20),
+        node=NodeSettings(planes=planes, node_id=spec["name"]),
+        fleet=fleet,
+        fleet_trusted=lambda k, c: k in trusted,
+    ).start()
+    consumer = ConsumerNode(
+        layout=layout,
+        security=sec,
+        settings=ConsumerSettings(region_bytes=32 << 20, fetch_timeout_s=10.0, hello_timeout_s=2.0),
+        node=NodeSettings(planes=planes),
+    )
     d = producer.fleet.directory if producer.fleet is not None else None
     spent = [0.0]  # directory round trips of the request in progress, s
+    rtts: list[float] = []  # every round trip with Redis while serving, s
+    serving = [True]
     if d is not None:
         inner = d._lookup
 
         def timed(*a: object, **k: object):  # type: ignore[no-untyped-def]
             out = inner(*a, **k)  # type: ignore[arg-type]
             spent[0] += out[0].elapsed_s
+            if serving[0] and out[0].elapsed_s > 0:  # 0: not sent (backoff, closed)
+                rtts.append(out[0].elapsed_s)
             return out
 
         d._lookup = timed  # type: ignore[method-assign]
@@ -174,6 +188,7 @@ def worker(spec: dict) -> int:
         rec["dir_s"] = spent[0]
         records.append(rec)
     makespan = time.perf_counter() - t_start
+    serving[0] = False
     idle: list[float] = []  # the same lookups once every instance is done (no encoder running)
     say(served=spec["name"])
     if d is not None:
@@ -181,9 +196,16 @@ def worker(spec: dict) -> int:
         for i in cmd["run"]:
             idle.append(d.lookup(hashlib.sha256(images[i]).hexdigest()).elapsed_s)
     stats = d.stats() if d is not None else {}
-    say(done={"records": records, "encodes": encodes, "makespan_s": makespan, "idle": idle,
-              "lookup_p50_s": stats.get("lookup_p50_s"), "lookup_p99_s": stats.get("lookup_p99_s"),
-              "claims_waited": stats.get("claims_waited", 0)})
+    say(
+        done={
+            "records": records,
+            "encodes": encodes,
+            "makespan_s": makespan,
+            "idle": idle,
+            "rtts": rtts,
+            "claims_waited": stats.get("claims_waited", 0),
+        }
+    )
     sys.stdin.readline()
     consumer.close()
     producer.close()
@@ -202,9 +224,23 @@ class _Redis:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.dir = tempfile.mkdtemp(prefix="ect-fleet-bench-")
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
@@ -233,8 +269,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def run_mode(mode: str, url: str | None, deals: list[list[int]], images: int,
-             plane: str) -> dict:
+def run_mode(mode: str, url: str | None, deals: list[list[int]], images: int, plane: str) -> dict:
     """One mode: three instance processes serve their deals at once; returns the summary."""
     import zmq
 
@@ -243,12 +278,24 @@ def run_mode(mode: str, url: str | None, deals: list[list[int]], images: int,
     procs = []
     lines: list[dict] = []
     for n, (pub, sec) in enumerate(kps):
-        spec = {"name": f"inst-{n}", "url": url, "public": pub, "secret": sec,
-                "trusted": trusted, "images": images, "plane": plane}
-        p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
-                              json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, bufsize=1,
-                             env=dict(os.environ, NIXL_LOG_LEVEL="WARN"))
+        spec = {
+            "name": f"inst-{n}",
+            "url": url,
+            "public": pub,
+            "secret": sec,
+            "trusted": trusted,
+            "images": images,
+            "plane": plane,
+        }
+        p = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=dict(os.environ, NIXL_LOG_LEVEL="WARN"),
+        )
         procs.append(p)
     try:
         for p in procs:
@@ -292,28 +339,39 @@ def run_mode(mode: str, url: str | None, deals: list[list[int]], images: int,
     not_held = [r for r in recs if r["how"] != "held"]
     lat = [r["s"] for r in recs]
     dir_s = [r["dir_s"] for r in recs if r["how"] != "held" and "waited_s" in r]
+    rtts = [x for d in lines for x in d["rtts"]]  # every instance's round trips, pooled
     return {
-        "mode": mode, "requests": len(recs), "distinct_images": len(seen),
-        "encoder_runs": encodes, "encoder_runs_per_image": encodes / max(1, len(seen)),
-        "how": {h: sum(1 for r in recs if r["how"] == h)
-                for h in ("held", "fetched", "encoded", "local")},
-        "fleet_hit_rate": (sum(1 for r in not_held if r["how"] == "fetched") / len(not_held)
-                           if not_held else None),
+        "mode": mode,
+        "requests": len(recs),
+        "distinct_images": len(seen),
+        "encoder_runs": encodes,
+        "encoder_runs_per_image": encodes / max(1, len(seen)),
+        "how": {
+            h: sum(1 for r in recs if r["how"] == h)
+            for h in ("held", "fetched", "encoded", "local")
+        },
+        "fleet_hit_rate": (
+            sum(1 for r in not_held if r["how"] == "fetched") / len(not_held) if not_held else None
+        ),
         "bytes_consistent": all(len(v) == 1 for v in digests.values()),
-        "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
+        "latency_p50_s": _pct(lat, 0.5),
+        "latency_p99_s": _pct(lat, 0.99),
         "latency_mean_s": statistics.fmean(lat) if lat else None,
         "makespan_s": max(d["makespan_s"] for d in lines),
-        "directory_cost_p50_s": _pct(dir_s, 0.5), "directory_cost_p99_s": _pct(dir_s, 0.99),
-        "lookup_p50_s": _pct([d["lookup_p50_s"] for d in lines if d["lookup_p50_s"]], 0.5),
-        "lookup_p99_s": _pct([d["lookup_p99_s"] for d in lines if d["lookup_p99_s"]], 0.5),
+        "directory_cost_p50_s": _pct(dir_s, 0.5),
+        "directory_cost_p99_s": _pct(dir_s, 0.99),
+        "lookups": len(rtts),
+        "lookup_p50_s": _pct(rtts, 0.5),
+        "lookup_p99_s": _pct(rtts, 0.99),
         "claims_waited": sum(d["claims_waited"] for d in lines),
         "directory_cost_idle_p50_s": _pct([x for d in lines for x in d["idle"]], 0.5),
         "directory_cost_idle_p99_s": _pct([x for d in lines for x in d["idle"]], 0.99),
     }
 
 
-def run(requests: int = 200, images: int = 50, instances: int = 3, plane: str = "nixl",
-        seed: int = 24) -> dict:
+def run(
+    requests: int = 200, images: int = 50, instances: int = 3, plane: str = "nixl", seed: int = 24
+) -> dict:
     """Both modes in one run (module docstring); returns ``{"config", "modes", "targets"}``."""
     from ectransport.data.registry import try_load
 
@@ -325,40 +383,59 @@ def run(requests: int = 200, images: int = 50, instances: int = 3, plane: str = 
     deals = [work[k::instances] for k in range(instances)]
     redis = _Redis()
     try:
-        modes = [run_mode("every-instance-encodes", None, deals, images, plane),
-                 run_mode("fleet", redis.url, deals, images, plane)]
+        modes = [
+            run_mode("every-instance-encodes", None, deals, images, plane),
+            run_mode("fleet", redis.url, deals, images, plane),
+        ]
     finally:
         redis.close()
     fl = modes[1]
-    return {"config": {"requests": requests, "images": images, "instances": instances,
-                       "plane": plane, "encoder": "ReferenceEncoder (Qwen2-VL-7B geometry)",
-                       "host_cpus": os.cpu_count()},
-            "modes": modes,
-            "targets": {
-                "encoder_runs_per_image": [TARGET_ENCODES_PER_IMAGE,
-                                           fl["encoder_runs_per_image"],
-                                           fl["encoder_runs_per_image"] <=
-                                           TARGET_ENCODES_PER_IMAGE],
-                "directory_cost_p50_s": [TARGET_DIRECTORY_COST_P50_S,
-                                         fl["directory_cost_p50_s"],
-                                         (fl["directory_cost_p50_s"] or 1) <=
-                                         TARGET_DIRECTORY_COST_P50_S]},
-            "vllm_cross_instance_store": "not run: mooncake.store (mooncake-transfer-engine "
-                                         "0.3.13.post1) needs libibverbs.so.1 and libcuda.so.1; "
-                                         "this machine has no CUDA driver"}
+    return {
+        "config": {
+            "requests": requests,
+            "images": images,
+            "instances": instances,
+            "plane": plane,
+            "encoder": "ReferenceEncoder (Qwen2-VL-7B geometry)",
+            "host_cpus": os.cpu_count(),
+        },
+        "modes": modes,
+        "targets": {
+            "encoder_runs_per_image": [
+                TARGET_ENCODES_PER_IMAGE,
+                fl["encoder_runs_per_image"],
+                fl["encoder_runs_per_image"] <= TARGET_ENCODES_PER_IMAGE,
+            ],
+            "directory_cost_p50_s": [
+                TARGET_DIRECTORY_COST_P50_S,
+                fl["directory_cost_p50_s"],
+                (fl["directory_cost_p50_s"] or 1) <= TARGET_DIRECTORY_COST_P50_S,
+            ],
+        },
+        "vllm_cross_instance_store": "not run: mooncake.store (mooncake-transfer-engine "
+        "0.3.13.post1) needs libibverbs.so.1 and libcuda.so.1; "
+        "this machine has no CUDA driver",
+    }
 
 
 def table(res: dict) -> str:
     """The Markdown table of a result (docs/performance.md, docs/fleet.md)."""
+
     def ms(x: float | None) -> str:
         return "—" if x is None else f"{x * 1e3:.2f}"
 
-    rows = ["| mode | encoder runs / image | hit rate | time to encoder output p50 / p99 "
-            "(ms) | makespan (s) | directory cost / request p50 / p99 (ms) | lookup p50 / p99 "
-            "(ms) | held · fetched · encoded · local |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| mode | encoder runs / image | hit rate | time to encoder output p50 / p99 "
+        "(ms) | makespan (s) | directory cost / request p50 / p99 (ms) | lookup p50 / p99 "
+        "(ms) | held · fetched · encoded · local |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m in res["modes"]:
-        hr = "—" if m["fleet_hit_rate"] is None or m["mode"] != "fleet" \
+        hr = (
+            "—"
+            if m["fleet_hit_rate"] is None or m["mode"] != "fleet"
             else f"{m['fleet_hit_rate']:.0%}"
+        )
         h = m["how"]
         rows.append(
             f"| {m['mode']} | {m['encoder_runs_per_image']:.2f} ({m['encoder_runs']} for "
@@ -366,7 +443,8 @@ def table(res: dict) -> str:
             f"{ms(m['latency_p99_s'])} | {m['makespan_s']:.1f} | "
             f"{ms(m['directory_cost_p50_s'])} / {ms(m['directory_cost_p99_s'])} | "
             f"{ms(m['lookup_p50_s'])} / {ms(m['lookup_p99_s'])} | {h['held']} · {h['fetched']} · "
-            f"{h['encoded']} · {h['local']} |")
+            f"{h['encoded']} · {h['local']} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -385,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
     print(json.dumps(res["targets"], indent=2))
-    ok = all(t[2] for t in res["targets"].values()) and all(m["bytes_consistent"]
-                                                            for m in res["modes"])
+    ok = all(t[2] for t in res["targets"].values()) and all(
+        m["bytes_consistent"] for m in res["modes"]
+    )
     return 0 if ok else 1
 
 

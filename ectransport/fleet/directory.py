@@ -28,11 +28,13 @@ from typing import Any
 
 from ectransport.errors import ConfigError
 from ectransport.fleet import client as rc
+from ectransport.fleet import scripts
 from ectransport.fleet.claims import Claims
 from ectransport.fleet.filter import InstanceView, Policy, TrustPredicate, select_holders
 from ectransport.fleet.health import Health
 from ectransport.fleet.holder import HolderLoop
 from ectransport.fleet.identity import Identity
+from ectransport.fleet.keeper import ClaimKeeper
 from ectransport.fleet.keys import Keyspace, valid_instance, valid_mm_hash
 from ectransport.fleet.outcomes import (
     Acquired,
@@ -45,12 +47,10 @@ from ectransport.fleet.outcomes import (
     UnavailableReason,
 )
 from ectransport.fleet.stats import FleetStats
+from ectransport.fleet.workers import MAX_IN_FLIGHT, Workers  # noqa: F401 (re-exported)
 from ectransport.settings_schema import API, FleetSettings
 
 log = logging.getLogger("ectransport.fleet")
-
-#: asynchronous calls queued at most before submits answer BUSY
-MAX_IN_FLIGHT = 256
 
 
 class Directory(Claims):
@@ -74,17 +74,25 @@ class Directory(Claims):
             redis-py is missing. Nothing connects before the first call.
     """
 
-    def __init__(self, settings: FleetSettings = API.fleet, *, identity: Identity | None = None,
-                 trusted: TrustPredicate | None = None, compat_hash: str | None = None,
-                 local_hosts: Iterable[str] = (), clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: FleetSettings = API.fleet,
+        *,
+        identity: Identity | None = None,
+        trusted: TrustPredicate | None = None,
+        compat_hash: str | None = None,
+        local_hosts: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.settings = settings
         self.identity = identity
         self.keys = Keyspace(settings.namespace)
         self.incarnation = secrets.token_hex(8)
         name = identity.instance if identity else settings.instance
         if name is not None and not valid_instance(name):
-            raise ConfigError(f"fleet.instance {name!r}: expected 1..128 letters, digits or "
-                              "'_.:@-'")
+            raise ConfigError(
+                f"fleet.instance {name!r}: expected 1..128 letters, digits or '_.:@-'"
+            )
         self.instance = name or f"client-{secrets.token_hex(4)}"
         self._fast = rc.make_client(settings, settings.lookup_timeout_s)
         self._slow = rc.make_client(settings, settings.op_timeout_s)
@@ -94,22 +102,40 @@ class Directory(Claims):
         hosts = {*local_hosts, socket.gethostname()}
         if identity is not None:
             hosts.add(identity.host)
-        self._policy = Policy(trusted=trusted or _no_trust, self_instance=name,
-                              compat_hash=compat_hash or (identity.compat_hash if identity
-                                                          else None),
-                              local_hosts=frozenset(hosts),
-                              max_entry_bytes=settings.max_entry_bytes)
+        self._policy = Policy(
+            trusted=trusted or _no_trust,
+            self_instance=name,
+            compat_hash=compat_hash or (identity.compat_hash if identity else None),
+            local_hosts=frozenset(hosts),
+            max_entry_bytes=settings.max_entry_bytes,
+        )
         self._has_trust = trusted is not None
         self._view = InstanceView()
         self._view_lock = threading.Lock()
         self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._lookups: cf.ThreadPoolExecutor | None = None
-        self._waits: cf.ThreadPoolExecutor | None = None
-        self._loop = (HolderLoop(settings, identity, self.incarnation, self.keys, self._slow,
-                                 self.health, self.stats_, clock)
-                      if identity is not None else None)
+        self._workers = Workers()
+        self._keeper = ClaimKeeper(
+            self._slow,
+            self.keys,
+            self.stats_,
+            max(settings.claim_wait_s, settings.claim_ttl_s),
+            name=self.instance,
+        )
+        self._loop = (
+            HolderLoop(
+                settings,
+                identity,
+                self.incarnation,
+                self.keys,
+                self._slow,
+                self.health,
+                self.stats_,
+                clock,
+                keeper=self._keeper,
+            )
+            if identity is not None
+            else None
+        )
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> Directory:
@@ -129,22 +155,28 @@ class Directory(Claims):
         return self._loop is not None and self._loop.wait_flushed(timeout_s)
 
     def close(self, *, withdraw: bool = True) -> None:
-        """Stop the threads; with ``withdraw``, remove this instance and its holder records
-        (best effort, within ``op_timeout_s``). Idempotent."""
+        """Stop the threads; with ``withdraw``, remove this instance and its holder records and
+        give back the claims it still holds (best effort, within ``op_timeout_s`` each).
+        Idempotent."""
         if self._closed.is_set():
             return
         self._closed.set()
+        claims = self._keeper.close(timeout_s=self.settings.op_timeout_s + 1)
         if self._loop is not None:
             self._loop.close(timeout_s=self.settings.op_timeout_s * 3 + 1)
+            claims += self._loop.unreleased()
             if withdraw:
                 try:
                     self._loop.withdraw()
                 except Exception as exc:
-                    log.warning("fleet directory: could not withdraw %s: %s", self.instance,
-                                rc.classify(exc))
-        for ex in (self._lookups, self._waits):
-            if ex is not None:
-                ex.shutdown(wait=False, cancel_futures=True)
+                    log.warning(
+                        "fleet directory: could not withdraw %s: %s",
+                        self.instance,
+                        rc.classify(exc),
+                    )
+        if withdraw:
+            self._keeper.release(claims)
+        self._workers.close()
         for c in (self._fast, self._slow):
             try:
                 c.close()
@@ -161,29 +193,44 @@ class Directory(Claims):
         """Talk to Redis once (``PING``, ``INFO server``); for the CLI and start-up checks.
 
         Returns:
-            ``{"server": "redis"|"valkey", "version": str, "rtt_s": float}``.
+            ``{"server": "redis"|"valkey", "version": str, "rtt_s": float, "cluster": bool}``.
 
         Raises:
             DirectoryAuthError: AUTH/ACL refused.
-            DirectoryError: unreachable, timed out, or not a Redis server.
+            DirectoryError: unreachable, timed out, not a Redis server, or a cluster node
+                without ``fleet.cluster``.
         """
         t0 = time.perf_counter()
         try:
             self._slow.ping()
             rtt = time.perf_counter() - t0
             info = self._slow.info("server")
+            cluster = (
+                self.settings.cluster
+                or str(self._slow.info("cluster").get("cluster_enabled", 0)) == "1"
+            )
         except Exception as exc:
             outcome = rc.classify(exc)
             where = self.settings.url
             if outcome.reason is UnavailableReason.AUTH:
-                raise DirectoryAuthError(f"Redis at {where} refused our credentials "
-                                         f"({outcome.detail}); check fleet.username and "
-                                         "fleet.password_file") from exc
-            raise DirectoryError(f"cannot use the fleet directory at {where}: {outcome}") \
-                from exc
+                raise DirectoryAuthError(
+                    f"Redis at {where} refused our credentials "
+                    f"({outcome.detail}); check fleet.username and "
+                    "fleet.password_file"
+                ) from exc
+            raise DirectoryError(f"cannot use the fleet directory at {where}: {outcome}") from exc
+        if cluster and not self.settings.cluster:
+            raise DirectoryError(
+                f"the fleet directory at {self.settings.url} is a Redis Cluster "
+                "node: set fleet.cluster = true (--redis-cluster)"
+            )
         server = "valkey" if "valkey_version" in info else "redis"
-        return {"server": server, "rtt_s": rtt,
-                "version": str(info.get("valkey_version") or info.get("redis_version", "?"))}
+        return {
+            "server": server,
+            "rtt_s": rtt,
+            "cluster": cluster,
+            "version": str(info.get("valkey_version") or info.get("redis_version", "?")),
+        }
 
     # -- holder side ---------------------------------------------------------------------------
     def publish(self, mm_hash: str, nbytes: int, *, claim: Claim | None = None) -> None:
@@ -195,8 +242,10 @@ class Directory(Claims):
         """
         loop = self._holder_loop()
         if not valid_mm_hash(mm_hash) or not isinstance(nbytes, int) or nbytes < 1:
-            raise ConfigError(f"publish({mm_hash!r}, {nbytes!r}): expected an mm_hash of "
-                              "1..1024 characters and a size >= 1 byte")
+            raise ConfigError(
+                f"publish({mm_hash!r}, {nbytes!r}): expected an mm_hash of "
+                "1..1024 characters and a size >= 1 byte"
+            )
         loop.publish(mm_hash, nbytes, claim)
 
     def unpublish(self, mm_hash: str, *, claim: Claim | None = None) -> None:
@@ -215,15 +264,18 @@ class Directory(Claims):
 
     def _holder_loop(self) -> HolderLoop:
         if self._loop is None:
-            raise ConfigError("this Directory has no identity: pass identity=Identity(...) to "
-                              "publish")
+            raise ConfigError(
+                "this Directory has no identity: pass identity=Identity(...) to publish"
+            )
         return self._loop
 
     # -- lookups -------------------------------------------------------------------------------
-    def lookup_many(self, mm_hashes: Iterable[str], *,
-                    nbytes: Mapping[str, int] | None = None) -> Lookup:
+    def lookup_many(
+        self, mm_hashes: Iterable[str], *, nbytes: Mapping[str, int] | None = None
+    ) -> Lookup:
         """The usable holders of each mm_hash, best first, in ONE pipeline round trip (the
-        items' holder hashes, the live instances and the server clock).
+        items' holder hashes, the live instances and the server clock; on a cluster one per
+        master that serves any of them).
 
         Args:
             mm_hashes: the items (duplicates asked once).
@@ -244,10 +296,18 @@ class Directory(Claims):
         """:meth:`lookup_many` of one item."""
         return self.lookup_many([mm_hash], nbytes=None if nbytes is None else {mm_hash: nbytes})
 
-    def _lookup(self, asked: list[str], nbytes: Mapping[str, int] | None,
-                claim: tuple[str, bytes, int] | None) -> tuple[Lookup, Any]:
-        """Holders of ``asked``; with ``claim=(mm_hash, raw, ttl_ms)`` also ``SET NX PX`` and
-        ``GET`` of that claim in the same round trip. Returns (lookup, (won, current))."""
+    def _vouched(self) -> bool:
+        return self._loop is not None and self._loop.live_event.is_set()
+
+    def _lookup(
+        self,
+        asked: list[str],
+        nbytes: Mapping[str, int] | None,
+        claim: tuple[str, bytes, int, bytes | None] | None,
+    ) -> tuple[Lookup, Any]:
+        """Holders of ``asked``; with ``claim=(mm_hash, raw, ttl_ms, lapsed)`` also ``SET NX
+        PX`` (or, with ``lapsed``, the compare-and-set that replaces that value) and ``GET`` of
+        that claim in the same round trip. Returns (lookup, (won, current))."""
         if self._closed.is_set():
             return self._unavailable(asked, DirectoryUnavailable(UnavailableReason.CLOSED)), None
         if not asked:
@@ -259,15 +319,19 @@ class Directory(Claims):
         try:
             pipe = self._fast.pipeline(transaction=False)
             for mm_hash in asked:
-                pipe.hrandfield(self.keys.holders(mm_hash), self.settings.max_holders,
-                                withvalues=True)
+                pipe.hrandfield(
+                    self.keys.holders(mm_hash), self.settings.max_holders, withvalues=True
+                )
             if claim is not None:
                 key = self.keys.claim(claim[0])
-                pipe.set(key, claim[1], nx=True, px=claim[2])
+                if claim[3] is None:
+                    pipe.set(key, claim[1], nx=True, px=claim[2])
+                else:
+                    scripts.run(pipe, scripts.TAKE_OVER, (key,), claim[3], claim[1], claim[2])
                 pipe.get(key)
             pipe.hgetall(self.keys.instances)
             pipe.zrange(self.keys.alive, 0, -1, withscores=True)
-            pipe.time()
+            scripts.queue_now(pipe, self.keys.alive, self.settings.cluster)
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:
             outcome = rc.classify(exc)
@@ -284,98 +348,82 @@ class Directory(Claims):
                 self.health.failed(outcome, self.clock())
                 return self._unavailable(asked, outcome), None
         self.health.succeeded()
-        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        now_ms = scripts.server_ms(now)
         with self._view_lock:
             self._view.update(inst_raw, alive_raw, now_ms)
-            sel = select_holders(asked, dict(zip(asked, replies[:n])), self._view,
-                                 self._policy, nbytes)
+            sel = select_holders(
+                asked, dict(zip(asked, replies[:n])), self._view, self._policy, nbytes
+            )
         hits = sum(1 for m in asked if sel.holders[m])
         st = self.stats_
         st.lookup_latency(elapsed)
-        st.add_many({"lookups": 1, "lookup_items": n, "hits": hits, "misses": n - hits,
-                     "skipped_self": sel.skipped_self})
+        st.add_many(
+            {
+                "lookups": 1,
+                "lookup_items": n,
+                "hits": hits,
+                "misses": n - hits,
+                "skipped_self": sel.skipped_self,
+            }
+        )
         st.add_many(sel.dropped, prefix="dropped_")
         if sel.stale and self._loop is not None:
             self._loop.add_stale(sel.stale)
         return Lookup(sel.holders, elapsed_s=elapsed), claimed
 
     def _unavailable(self, asked: list[str], why: DirectoryUnavailable) -> Lookup:
-        self.stats_.add_many({"lookups": 1, "lookup_items": len(asked), "misses": len(asked),
-                              "unavailable": 1})
+        self.stats_.add_many(
+            {"lookups": 1, "lookup_items": len(asked), "misses": len(asked), "unavailable": 1}
+        )
         return Lookup({m: [] for m in asked}, unavailable=why)
 
     def _need_trust(self) -> None:
         if not self._has_trust:
-            raise ConfigError("lookups need a trust predicate: Directory(..., trusted=...) "
-                              "(ectransport.fleet.trust_any in tools that never fetch)")
+            raise ConfigError(
+                "lookups need a trust predicate: Directory(..., trusted=...) "
+                "(ectransport.fleet.trust_any in tools that never fetch)"
+            )
 
     # -- asynchronous forms --------------------------------------------------------------------
-    def submit_lookup(self, mm_hashes: Iterable[str], *, nbytes: Mapping[str, int] | None = None,
-                      callback: Callable[[Lookup], None] | None = None) -> cf.Future[Lookup]:
+    def submit_lookup(
+        self,
+        mm_hashes: Iterable[str],
+        *,
+        nbytes: Mapping[str, int] | None = None,
+        callback: Callable[[Lookup], None] | None = None,
+    ) -> cf.Future[Lookup]:
         """:meth:`lookup_many` on the directory's lookup thread; returns at once.
 
         Poll ``future.done()`` / ``future.result()``, or pass ``callback`` (called on the
         lookup thread with the :class:`Lookup`; keep it cheap; exceptions are logged). With
-        more than :data:`MAX_IN_FLIGHT` calls queued, the future is already done with an
+        more than :data:`~ectransport.fleet.workers.MAX_IN_FLIGHT` calls queued, the future is already done with an
         ``unavailable`` (``BUSY``) lookup.
         """
         self._need_trust()
         asked = list(dict.fromkeys(m for m in mm_hashes if valid_mm_hash(m)))
-        return self._submit("lookups", lambda: self.lookup_many(asked, nbytes=nbytes),
-                            lambda why: self._unavailable(asked, why), callback)
+        return self._workers.submit(
+            "lookups",
+            lambda: self.lookup_many(asked, nbytes=nbytes),
+            lambda why: self._unavailable(asked, why),
+            callback,
+        )
 
-    def submit_claim_or_wait(self, mm_hash: str, *, nbytes: int | None = None,
-                             callback: Callable[[Acquisition], None] | None = None,
-                             **kw: Any) -> cf.Future[Acquisition]:
+    def submit_claim_or_wait(
+        self,
+        mm_hash: str,
+        *,
+        nbytes: int | None = None,
+        callback: Callable[[Acquisition], None] | None = None,
+        **kw: Any,
+    ) -> cf.Future[Acquisition]:
         """:meth:`claim_or_wait` on a waiting thread (4 at most); returns at once."""
         self._need_trust()
-        return self._submit("waits", lambda: self.claim_or_wait(mm_hash, nbytes=nbytes, **kw),
-                            lambda why: Acquisition(Acquired.ENCODE_LOCALLY, detail=str(why),
-                                                    unavailable=why), callback)
-
-    def _submit(self, pool: str, fn: Callable[[], Any],
-                refused: Callable[[DirectoryUnavailable], Any],
-                callback: Callable[[Any], None] | None) -> cf.Future[Any]:
-        with self._lock:
-            busy = self._in_flight >= MAX_IN_FLIGHT
-            if not busy and not self._closed.is_set():
-                self._in_flight += 1
-                ex = self._executor(pool)
-            else:
-                ex = None
-        if ex is None:
-            reason = UnavailableReason.CLOSED if self._closed.is_set() else UnavailableReason.BUSY
-            fut: cf.Future[Any] = cf.Future()
-            fut.set_result(refused(DirectoryUnavailable(reason, f"{MAX_IN_FLIGHT} calls queued")))
-            _call_back(callback, fut.result())
-            return fut
-
-        def run() -> Any:
-            try:
-                out = fn()
-            finally:
-                with self._lock:
-                    self._in_flight -= 1
-            _call_back(callback, out)
-            return out
-
-        try:
-            return ex.submit(run)
-        except RuntimeError:  # closed meanwhile
-            with self._lock:
-                self._in_flight -= 1
-            fut = cf.Future()
-            fut.set_result(refused(DirectoryUnavailable(UnavailableReason.CLOSED)))
-            return fut
-
-    def _executor(self, pool: str) -> cf.ThreadPoolExecutor:
-        if pool == "lookups":
-            if self._lookups is None:
-                self._lookups = cf.ThreadPoolExecutor(1, thread_name_prefix="ect-fleet-lookup")
-            return self._lookups
-        if self._waits is None:
-            self._waits = cf.ThreadPoolExecutor(4, thread_name_prefix="ect-fleet-wait")
-        return self._waits
+        return self._workers.submit(
+            "waits",
+            lambda: self.claim_or_wait(mm_hash, nbytes=nbytes, **kw),
+            lambda why: Acquisition(Acquired.ENCODE_LOCALLY, detail=str(why), unavailable=why),
+            callback,
+        )
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -396,12 +444,3 @@ class Directory(Claims):
 
 def _no_trust(public_key: str, cert: bytes | None) -> bool:
     return False
-
-
-def _call_back(callback: Callable[[Any], None] | None, value: Any) -> None:
-    if callback is None:
-        return
-    try:
-        callback(value)
-    except Exception:
-        log.exception("fleet directory: a lookup callback raised (ignored)")

@@ -6,8 +6,8 @@
 The same pattern as ``ectransport.metrics.prom``: the directory keeps its counters
 (:meth:`Directory.stats`) and the collector reads them at scrape time, so nothing is counted
 twice. Families (``ectransport_fleet_*``): ``lookups``, ``lookup_items{outcome=hit|miss}``,
-``unavailable``, ``dropped{reason}``, ``claims{outcome=won|lost|waited|expired|wait_timeout|
-released}``, ``published``, ``unpublished``, ``resyncs``, ``heartbeat_failures``,
+``unavailable``, ``dropped{reason}``, ``claims{outcome=won|lost|waited|expired|taken_over|
+wait_timeout|released|renewed|renewal_lost|hold_expired}``, ``published``, ``unpublished``, ``resyncs``, ``heartbeat_failures``,
 ``publish_queue`` (gauge), ``directory_down`` (gauge), ``lookup_seconds`` (histogram).
 """
 
@@ -20,9 +20,30 @@ from typing import Any
 
 from ectransport.errors import ConfigError
 
-_DROPS = ("malformed", "version", "dead", "stale", "mismatch", "bad_key", "incompatible", "size",
-          "untrusted", "bad_reply")
-_CLAIMS = ("won", "lost", "waited", "expired", "wait_timeout", "released")
+_DROPS = (
+    "malformed",
+    "version",
+    "dead",
+    "stale",
+    "mismatch",
+    "bad_key",
+    "incompatible",
+    "size",
+    "untrusted",
+    "bad_reply",
+)
+_CLAIMS = (
+    "won",
+    "lost",
+    "waited",
+    "expired",
+    "taken_over",
+    "wait_timeout",
+    "released",
+    "renewed",
+    "renewal_lost",
+    "hold_expired",
+)
 
 
 class FleetCollector:
@@ -39,8 +60,9 @@ class FleetCollector:
         try:
             import prometheus_client
         except ImportError as e:
-            raise ConfigError("metrics need prometheus_client: "
-                              "pip install 'ectransport[metrics]'") from e
+            raise ConfigError(
+                "metrics need prometheus_client: pip install 'ectransport[metrics]'"
+            ) from e
         self.registry = registry if registry is not None else prometheus_client.REGISTRY
         self._dirs: list[weakref.ref[Any]] = []
         self._lock = threading.Lock()
@@ -80,41 +102,51 @@ class FleetCollector:
         c = CounterMetricFamily("ectransport_fleet_lookups", "Directory lookups (round trips)")
         c.add_metric([], total("lookups"))
         yield c
-        c = CounterMetricFamily("ectransport_fleet_lookup_items",
-                                "Items looked up, by outcome (hit: a usable holder)",
-                                labels=["outcome"])
+        c = CounterMetricFamily(
+            "ectransport_fleet_lookup_items",
+            "Items looked up, by outcome (hit: a usable holder)",
+            labels=["outcome"],
+        )
         c.add_metric(["hit"], total("hits"))
         c.add_metric(["miss"], total("misses"))
         yield c
-        c = CounterMetricFamily("ectransport_fleet_unavailable",
-                                "Lookups the directory could not answer (down, timeout, auth, "
-                                "backoff)")
+        c = CounterMetricFamily(
+            "ectransport_fleet_unavailable",
+            "Lookups the directory could not answer (down, timeout, auth, backoff)",
+        )
         c.add_metric([], total("unavailable"))
         yield c
-        c = CounterMetricFamily("ectransport_fleet_dropped",
-                                "Holder records dropped by lookups, by reason", labels=["reason"])
+        c = CounterMetricFamily(
+            "ectransport_fleet_dropped",
+            "Holder records dropped by lookups, by reason",
+            labels=["reason"],
+        )
         for r in _DROPS:
             c.add_metric([r], total("dropped_" + r))
         yield c
-        c = CounterMetricFamily("ectransport_fleet_claims", "Claims, by outcome",
-                                labels=["outcome"])
+        c = CounterMetricFamily(
+            "ectransport_fleet_claims", "Claims, by outcome", labels=["outcome"]
+        )
         for o in _CLAIMS:
             c.add_metric([o], total("claims_" + o))
         yield c
         for name, key, text in (
-                ("published", "published", "Holder records written"),
-                ("unpublished", "unpublished", "Holder records withdrawn"),
-                ("resyncs", "resyncs", "Full re-publications (after an outage or a restart)"),
-                ("heartbeat_failures", "heartbeat_failures", "Failed liveness renewals")):
+            ("published", "published", "Holder records written"),
+            ("unpublished", "unpublished", "Holder records withdrawn"),
+            ("resyncs", "resyncs", "Full re-publications (after an outage or a restart)"),
+            ("heartbeat_failures", "heartbeat_failures", "Failed liveness renewals"),
+        ):
             c = CounterMetricFamily("ectransport_fleet_" + name, text)
             c.add_metric([], total(key))
             yield c
-        g = GaugeMetricFamily("ectransport_fleet_publish_queue",
-                              "Publish/unpublish operations not yet written")
+        g = GaugeMetricFamily(
+            "ectransport_fleet_publish_queue", "Publish/unpublish operations not yet written"
+        )
         g.add_metric([], total("publish_queue"))
         yield g
-        g = GaugeMetricFamily("ectransport_fleet_directory_down",
-                              "Directories in their outage backoff now")
+        g = GaugeMetricFamily(
+            "ectransport_fleet_directory_down", "Directories in their outage backoff now"
+        )
         g.add_metric([], total("directory_down"))
         yield g
         buckets: dict[float, float] = {}
@@ -124,8 +156,7 @@ class FleetCollector:
             sum_s += s
             for bound, n in hist:
                 buckets[bound] = buckets.get(bound, 0) + n
-        h = HistogramMetricFamily("ectransport_fleet_lookup_seconds",
-                                  "Lookup round-trip time, s")
+        h = HistogramMetricFamily("ectransport_fleet_lookup_seconds", "Lookup round-trip time, s")
         if buckets:
             h.add_metric([], [(_le(b), n) for b, n in sorted(buckets.items())], sum_s)
         yield h

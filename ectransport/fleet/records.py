@@ -11,8 +11,9 @@ ignored (a later minor revision may add some).
   trust layer), its compatibility hash and a load figure;
 - :class:`HolderRecord` — one per (mm_hash, instance) (an item's ``holders`` hash): the same
   identity, the incarnation that published it, and the entry's size in bytes;
-- :class:`ClaimRecord` — the value of an item's claim key: who claimed it, and a random token
-  that only the claimant knows (release and renewal compare it).
+- :class:`ClaimRecord` — the value of an item's claim key: who claimed it, a random token
+  that only the claimant knows (release and renewal compare it), and whether the claimant's
+  liveness record vouches for it.
 """
 
 from __future__ import annotations
@@ -96,13 +97,21 @@ class HolderRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClaimRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """The value of a claim key: ``instance`` is encoding the item; ``token`` proves it."""
+    """The value of a claim key: ``instance`` is encoding the item; ``token`` proves it.
+
+    Attributes:
+        liveness: the claimant keeps a liveness record (an instance with an identity): once
+            that record lapses or names another incarnation, waiters treat the claim as
+            released and one of them takes it over. False (a lookup-only claimant, or a record
+            of an earlier release): only the claim's expiry releases it.
+    """
 
     v: int
     instance: Name
     incarnation: Hex
     token: Hex
     taken_ms: int = 0
+    liveness: bool = False
 
 
 Record = InstanceRecord | HolderRecord | ClaimRecord
@@ -120,7 +129,8 @@ class Rejected(msgspec.Struct, frozen=True):
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
 _DECODERS: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {
-    cls: msgspec.msgpack.Decoder(cls) for cls in (InstanceRecord, HolderRecord, ClaimRecord)}
+    cls: msgspec.msgpack.Decoder(cls) for cls in (InstanceRecord, HolderRecord, ClaimRecord)
+}
 
 
 def encode(record: Record) -> bytes:
@@ -141,8 +151,7 @@ def decode(raw: object, cls: type[Any]) -> Any:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         return Rejected("malformed", f"no record envelope: {e}")
     if version != RECORD_VERSION:
-        return Rejected("version", f"record version {version}, this node reads "
-                                   f"{RECORD_VERSION}")
+        return Rejected("version", f"record version {version}, this node reads {RECORD_VERSION}")
     try:
         return _DECODERS[cls].decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

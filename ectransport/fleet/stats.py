@@ -8,19 +8,63 @@ from collections import Counter
 from collections.abc import Mapping
 
 #: Lookup latency buckets, s: a loopback round trip (~0.1 ms) up to the largest timeout.
-LOOKUP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                    0.25, 0.5, 1.0, 2.5, 10.0)
+LOOKUP_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
 
 #: Every counter :meth:`FleetStats.snapshot` reports (0 until it moves).
 COUNTERS = (
-    "lookups", "lookup_items", "hits", "misses", "unavailable",
-    "dropped_malformed", "dropped_version", "dropped_dead", "dropped_stale", "dropped_mismatch",
-    "dropped_bad_key", "dropped_incompatible", "dropped_size", "dropped_untrusted",
-    "dropped_bad_reply", "skipped_self", "cleaned",
-    "claims_won", "claims_lost", "claims_waited", "claims_expired", "claims_wait_timeout",
-    "claims_released", "claims_renewed",
-    "published", "unpublished", "publish_dropped", "resyncs", "republished",
-    "heartbeats", "heartbeat_failures", "reconnects", "name_conflicts", "gc_instances",
+    "lookups",
+    "lookup_items",
+    "hits",
+    "misses",
+    "unavailable",
+    "dropped_malformed",
+    "dropped_version",
+    "dropped_dead",
+    "dropped_stale",
+    "dropped_mismatch",
+    "dropped_bad_key",
+    "dropped_incompatible",
+    "dropped_size",
+    "dropped_untrusted",
+    "dropped_bad_reply",
+    "skipped_self",
+    "cleaned",
+    "claims_won",
+    "claims_lost",
+    "claims_waited",
+    "claims_expired",
+    "claims_wait_timeout",
+    "claims_released",
+    "claims_renewed",
+    "claims_taken_over",
+    "claims_renewal_lost",
+    "claims_hold_expired",
+    "published",
+    "unpublished",
+    "publish_dropped",
+    "resyncs",
+    "republished",
+    "heartbeats",
+    "heartbeat_failures",
+    "reconnects",
+    "name_conflicts",
+    "gc_instances",
 )
 
 
@@ -61,8 +105,9 @@ class FleetStats:
             out["lookup_seconds_sum"] = self._sum_s
             recent = sorted(self._recent)
         out["lookup_p50_s"] = recent[len(recent) // 2] if recent else 0.0
-        out["lookup_p99_s"] = recent[min(len(recent) - 1, int(len(recent) * 0.99))] \
-            if recent else 0.0
+        out["lookup_p99_s"] = (
+            recent[min(len(recent) - 1, int(len(recent) * 0.99))] if recent else 0.0
+        )
         return out
 
     def histogram(self) -> tuple[list[tuple[float, int]], float]:

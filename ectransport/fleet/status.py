@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ectransport.fleet import client as rc
+from ectransport.fleet import scripts
 from ectransport.fleet.filter import InstanceView, Policy, pairs, select_holders
 from ectransport.fleet.outcomes import DirectoryAuthError, DirectoryError, UnavailableReason
 from ectransport.fleet.records import (
@@ -60,8 +61,10 @@ class HolderRow:
 def _fail(exc: BaseException, url: str | None) -> DirectoryError:
     outcome = rc.classify(exc)
     if outcome.reason is UnavailableReason.AUTH:
-        return DirectoryAuthError(f"Redis at {url} refused our credentials ({outcome.detail}); "
-                                  "check fleet.username and fleet.password_file")
+        return DirectoryAuthError(
+            f"Redis at {url} refused our credentials ({outcome.detail}); "
+            "check fleet.username and fleet.password_file"
+        )
     return DirectoryError(f"cannot read the fleet directory at {url}: {outcome}")
 
 
@@ -76,12 +79,13 @@ def instances(directory: Any) -> list[InstanceRow]:
         pipe = r.pipeline(transaction=False)
         pipe.hgetall(keys.instances)
         pipe.zrange(keys.alive, 0, -1, withscores=True)
-        pipe.time()
+        scripts.queue_now(pipe, keys.alive, directory.settings.cluster)
         raw, alive, now = pipe.execute()
-        now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        now_ms = scripts.server_ms(now)
         deadlines = {n.decode("utf-8", "replace"): int(s) for n, s in alive}
         recs: list[tuple[str, InstanceRecord | Rejected]] = [
-            (k.decode("utf-8", "replace"), decode(v, InstanceRecord)) for k, v in raw.items()]
+            (k.decode("utf-8", "replace"), decode(v, InstanceRecord)) for k, v in raw.items()
+        ]
         valid = [x for _name, x in recs if isinstance(x, InstanceRecord)]
         pipe = r.pipeline(transaction=False)
         for ok in valid:
@@ -94,18 +98,33 @@ def instances(directory: Any) -> list[InstanceRow]:
         deadline = deadlines.get(name)
         left = None if deadline is None else (deadline - now_ms) / 1000
         if isinstance(rec, Rejected):
-            rows.append(InstanceRow(name, False, left, "", f"({rec.reason} record)", "", False,
-                                    (), 0.0, 0, ""))
+            rows.append(
+                InstanceRow(
+                    name, False, left, "", f"({rec.reason} record)", "", False, (), 0.0, 0, ""
+                )
+            )
             continue
-        rows.append(InstanceRow(name, left is not None and left > 0, left, rec.incarnation,
-                                f"{rec.host}:{rec.port}", rec.public_key, rec.cert is not None,
-                                rec.roles, rec.load, counts.get(rec.instance, 0),
-                                rec.compat_hash))
+        rows.append(
+            InstanceRow(
+                name,
+                left is not None and left > 0,
+                left,
+                rec.incarnation,
+                f"{rec.host}:{rec.port}",
+                rec.public_key,
+                rec.cert is not None,
+                rec.roles,
+                rec.load,
+                counts.get(rec.instance, 0),
+                rec.compat_hash,
+            )
+        )
     return rows
 
 
 def claims(directory: Any, limit: int = MAX_CLAIMS) -> list[ClaimRow]:
-    """The claims in flight (``SCAN`` of the namespace's claim keys, at most ``limit``)."""
+    """The claims in flight (``SCAN`` of the namespace's claim keys, on every master of a
+    cluster; at most ``limit``)."""
     r, keys = directory.redis, directory.keys
     try:
         names: list[bytes] = []
@@ -125,8 +144,7 @@ def claims(directory: Any, limit: int = MAX_CLAIMS) -> list[ClaimRow]:
         value, pttl = replies[2 * i], replies[2 * i + 1]
         rec = decode(value, ClaimRecord) if value is not None else None
         who = rec.instance if isinstance(rec, ClaimRecord) else "(unreadable)"
-        rows.append(ClaimRow(key.decode("utf-8", "replace"), who,
-                             max(0, int(pttl or 0)) / 1000))
+        rows.append(ClaimRow(key.decode("utf-8", "replace"), who, max(0, int(pttl or 0)) / 1000))
     return rows
 
 
@@ -142,21 +160,31 @@ def who_has(directory: Any, mm_hash: str, policy: Policy) -> list[HolderRow]:
         pipe.hgetall(keys.holders(mm_hash))
         pipe.hgetall(keys.instances)
         pipe.zrange(keys.alive, 0, -1, withscores=True)
-        pipe.time()
+        scripts.queue_now(pipe, keys.alive, directory.settings.cluster)
         fields, inst, alive, now = pipe.execute()
     except Exception as exc:
         raise _fail(exc, directory.settings.url) from exc
     view = InstanceView()
-    view.update(inst, alive, int(now[0]) * 1000 + int(now[1]) // 1000)
+    view.update(inst, alive, scripts.server_ms(now))
     rows = []
     for field, raw in sorted(pairs(fields)):
         sel = select_holders([mm_hash], {mm_hash: [field, raw]}, view, policy)
         rec = decode(raw, HolderRecord)
-        verdict = "usable" if sel.holders[mm_hash] else \
-            (next(iter(sel.dropped)) if sel.dropped else "self")
+        verdict = (
+            "usable"
+            if sel.holders[mm_hash]
+            else (next(iter(sel.dropped)) if sel.dropped else "self")
+        )
         if isinstance(rec, Rejected):
             rows.append(HolderRow(field.decode("utf-8", "replace"), verdict, "", None, ""))
         else:
-            rows.append(HolderRow(field.decode("utf-8", "replace"), verdict,
-                                  f"{rec.host}:{rec.port}", rec.nbytes, rec.public_key))
+            rows.append(
+                HolderRow(
+                    field.decode("utf-8", "replace"),
+                    verdict,
+                    f"{rec.host}:{rec.port}",
+                    rec.nbytes,
+                    rec.public_key,
+                )
+            )
     return rows

@@ -28,8 +28,23 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
 #: Fetch latency: from sub-millisecond (a hot entry on loopback) to the 30 s default deadline.
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                     5.0, 10.0, 30.0)
+LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 #: Entry sizes: 0.5 MiB (small images) ... 256 MiB (long videos), doubling.
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(19, 29))
 #: Descriptors (contiguous block runs) per transfer: 1 for a fresh region, more when fragmented.
@@ -41,8 +56,9 @@ def _prom() -> ModuleType:
     try:
         import prometheus_client
     except ImportError as e:
-        raise ConfigError("metrics need prometheus_client: "
-                          "pip install 'ectransport[metrics]'") from e
+        raise ConfigError(
+            "metrics need prometheus_client: pip install 'ectransport[metrics]'"
+        ) from e
     return prometheus_client
 
 
@@ -66,50 +82,86 @@ class Metrics:
         self._fleet: Any = None  # the FleetCollector, once a fleet directory is attached
         r = self.registry
         self.fetch_total = pc.Counter(
-            "ectransport_fetch", "Fetch outcomes (consumer): outcome ok|miss, reason = MissReason",
-            ["outcome", "reason"], registry=r)
+            "ectransport_fetch",
+            "Fetch outcomes (consumer): outcome ok|miss, reason = MissReason",
+            ["outcome", "reason"],
+            registry=r,
+        )
         self.fetch_seconds = pc.Histogram(
-            "ectransport_fetch_seconds", "Fetch latency from the request to the outcome (consumer)",
-            ["outcome"], buckets=LATENCY_BUCKETS_S, registry=r)
+            "ectransport_fetch_seconds",
+            "Fetch latency from the request to the outcome (consumer)",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.transfer_seconds = pc.Histogram(
-            "ectransport_transfer_seconds", "Data-plane transfer time, posted to landed (consumer)",
-            ["plane"], buckets=LATENCY_BUCKETS_S, registry=r)
+            "ectransport_transfer_seconds",
+            "Data-plane transfer time, posted to landed (consumer)",
+            ["plane"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.transferred_bytes = pc.Counter(
-            "ectransport_transferred_bytes", "Bytes landed by successful fetches (consumer)",
-            ["plane"], registry=r)
+            "ectransport_transferred_bytes",
+            "Bytes landed by successful fetches (consumer)",
+            ["plane"],
+            registry=r,
+        )
         self.transfer_bytes = pc.Histogram(
-            "ectransport_transfer_bytes", "Size of each landed entry, bytes (consumer)", ["plane"],
-            buckets=BYTES_BUCKETS, registry=r)
+            "ectransport_transfer_bytes",
+            "Size of each landed entry, bytes (consumer)",
+            ["plane"],
+            buckets=BYTES_BUCKETS,
+            registry=r,
+        )
         self.descriptors = pc.Histogram(
             "ectransport_descriptors_per_transfer",
             "Contiguous block runs per transfer (consumer: landing runs; producer: granted runs)",
-            ["side"], buckets=DESCRIPTOR_BUCKETS, registry=r)
+            ["side"],
+            buckets=DESCRIPTOR_BUCKETS,
+            registry=r,
+        )
         self.peer_quarantines = pc.Counter(
-            "ectransport_peer_quarantines", "Times a producer was put in quarantine (consumer)",
-            ["reason"], registry=r)
+            "ectransport_peer_quarantines",
+            "Times a producer was put in quarantine (consumer)",
+            ["reason"],
+            registry=r,
+        )
         self.transfer_quarantines = pc.Counter(
             "ectransport_transfer_quarantines",
-            "Timed-out transfers whose landing blocks were quarantined (consumer)", registry=r)
+            "Timed-out transfers whose landing blocks were quarantined (consumer)",
+            registry=r,
+        )
         self.grant_seconds = pc.Histogram(
-            "ectransport_grant_seconds", "How long grants held their pin (producer)", ["why"],
-            buckets=LATENCY_BUCKETS_S, registry=r)
+            "ectransport_grant_seconds",
+            "How long grants held their pin (producer)",
+            ["why"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.granted_bytes = pc.Counter(
-            "ectransport_granted_bytes", "Bytes granted to consumers (producer)", registry=r)
+            "ectransport_granted_bytes", "Bytes granted to consumers (producer)", registry=r
+        )
         self.trust_admissions = pc.Counter(
             "ectransport_trust_admissions",
             "Fleet trust: peers admitted (outcome admitted, reason = by: certificate|allow_list|"
             "both) or refused (outcome refused, reason = the refusal reason; when = hello|"
-            "welcome for a new session, recheck for a live one ended), by peer_role (the role "
+            "welcome for a new session, handshake for a key the allow-list refused at the "
+            "handshake, recheck for a live one ended), by peer_role (the role "
             "wanted of the peer: consumer on a producer, producer on a consumer)",
-            ["outcome", "reason", "when", "peer_role"], registry=r)
+            ["outcome", "reason", "when", "peer_role"],
+            registry=r,
+        )
         r.register(_SnapshotCollector(self))
 
     # -- nodes ---------------------------------------------------------------------------------
     def attach(self, node: Any) -> Any:
         """Collect the metrics of ``node`` (a ProducerNode or ConsumerNode); returns the node."""
         if not hasattr(node, "snapshot") or not hasattr(node, "add_observer"):
-            raise ConfigError(f"cannot collect metrics of a {type(node).__name__}: expected a "
-                              "ProducerNode or ConsumerNode")
+            raise ConfigError(
+                f"cannot collect metrics of a {type(node).__name__}: expected a "
+                "ProducerNode or ConsumerNode"
+            )
         node.add_observer(self.observe)
         with self._lock:
             self._nodes.append(weakref.ref(node))
@@ -163,11 +215,13 @@ class Metrics:
         elif event == "transfer_quarantined":
             self.transfer_quarantines.inc()
         elif event == "peer_admitted":
-            self.trust_admissions.labels("admitted", f.get("by", ""), "new",
-                                         f.get("peer_role", "")).inc()
+            self.trust_admissions.labels(
+                "admitted", f.get("by", ""), "new", f.get("peer_role", "")
+            ).inc()
         elif event == "peer_refused":
-            self.trust_admissions.labels("refused", f.get("reason", ""), f.get("when", ""),
-                                         f.get("peer_role", "")).inc()
+            self.trust_admissions.labels(
+                "refused", f.get("reason", ""), f.get("when", ""), f.get("peer_role", "")
+            ).inc()
 
     # -- HTTP ----------------------------------------------------------------------------------
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -222,8 +276,9 @@ class _SnapshotCollector:
         return list(self._families(producers, consumers))
 
     @staticmethod
-    def _families(producers: list[dict[str, Any]], consumers: list[dict[str, Any]]
-                  ) -> Iterator[Metric]:
+    def _families(
+        producers: list[dict[str, Any]], consumers: list[dict[str, Any]]
+    ) -> Iterator[Metric]:
         """Every family, from the nodes' snapshots (``ProducerNode.snapshot()`` dicts)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -242,17 +297,20 @@ class _SnapshotCollector:
         c = CounterMetricFamily("ectransport_grants", "Grants issued (producer)")
         c.add_metric([], total(producers, "stats", "grants"))
         yield c
-        c = CounterMetricFamily("ectransport_grants_ended", "Grants ended, by why (producer)",
-                                labels=["why"])
+        c = CounterMetricFamily(
+            "ectransport_grants_ended", "Grants ended, by why (producer)", labels=["why"]
+        )
         for why in ("completed", "expired", "released_peer_down"):
             c.add_metric([why], total(producers, "stats", why))
         yield c
         g = GaugeMetricFamily("ectransport_grants_active", "Grants holding a pin now (producer)")
         g.add_metric([], total(producers, "stats", "active_grants"))
         yield g
-        g = GaugeMetricFamily("ectransport_pinned_bytes",
-                              "Bytes pinned by grants, per consumer identity (producer)",
-                              labels=["peer"])
+        g = GaugeMetricFamily(
+            "ectransport_pinned_bytes",
+            "Bytes pinned by grants, per consumer identity (producer)",
+            labels=["peer"],
+        )
         per: dict[str, int] = {}
         for s in producers:
             for peer, n in s.get("pinned_by_peer", {}).items():
@@ -260,8 +318,9 @@ class _SnapshotCollector:
         for peer, n in sorted(per.items()):
             g.add_metric([peer], n)
         yield g
-        g = GaugeMetricFamily("ectransport_region_pinned_bytes",
-                              "Bytes pinned by grants, all consumers (producer)")
+        g = GaugeMetricFamily(
+            "ectransport_region_pinned_bytes", "Bytes pinned by grants, all consumers (producer)"
+        )
         g.add_metric([], total(producers, "stats", "pinned_bytes"))
         yield g
         g = GaugeMetricFamily("ectransport_region_bytes", "Size of the host region (producer)")
@@ -270,17 +329,20 @@ class _SnapshotCollector:
         g = GaugeMetricFamily("ectransport_entries", "Entries held (producer)")
         g.add_metric([], total(producers, "stats", "entries"))
         yield g
-        g = GaugeMetricFamily("ectransport_region_free_blocks", "Free blocks in the region",
-                              labels=["role"])
+        g = GaugeMetricFamily(
+            "ectransport_region_free_blocks", "Free blocks in the region", labels=["role"]
+        )
         g.add_metric(["producer"], total(producers, "stats", "free_blocks"))
         g.add_metric(["consumer"], total(consumers, "stats", "free_blocks"))
         yield g
-        c = CounterMetricFamily("ectransport_lease_expiries",
-                                "Grants whose lease ran out before completion (producer)")
+        c = CounterMetricFamily(
+            "ectransport_lease_expiries", "Grants whose lease ran out before completion (producer)"
+        )
         c.add_metric([], total(producers, "stats", "expired"))
         yield c
-        c = CounterMetricFamily("ectransport_nacks_sent", "NACKs sent, by status (producer)",
-                                labels=["status"])
+        c = CounterMetricFamily(
+            "ectransport_nacks_sent", "NACKs sent, by status (producer)", labels=["status"]
+        )
         nacks: dict[str, int] = {}
         for s in producers:
             for st, n in s.get("nacks", {}).items():
@@ -291,31 +353,40 @@ class _SnapshotCollector:
         c = CounterMetricFamily(
             "ectransport_auth_rejections",
             "Control-plane clients refused: kind allow_list (ZAP: key not allowed) or handshake "
-            "(CURVE handshake failed) (producer)", labels=["kind"])
+            "(CURVE handshake failed) (producer)",
+            labels=["kind"],
+        )
         c.add_metric(["allow_list"], total(producers, "control", "reject_count"))
         c.add_metric(["handshake"], total(producers, "control", "handshake_failures"))
         yield c
-        c = CounterMetricFamily("ectransport_dropped_frames",
-                                "Control frames dropped: rate limit, malformed, undecodable "
-                                "(producer)", labels=["why"])
+        c = CounterMetricFamily(
+            "ectransport_dropped_frames",
+            "Control frames dropped: rate limit, malformed, undecodable (producer)",
+            labels=["why"],
+        )
         c.add_metric(["rate"], total(producers, "control", "rate_dropped"))
         c.add_metric(["malformed"], total(producers, "control", "malformed_dropped"))
         c.add_metric(["bad_frame"], total(producers, "stats", "bad_frames"))
         yield c
-        g = GaugeMetricFamily("ectransport_quarantined_peers",
-                              "Producers in their quarantine backoff now (consumer)")
+        g = GaugeMetricFamily(
+            "ectransport_quarantined_peers", "Producers in their quarantine backoff now (consumer)"
+        )
         g.add_metric([], total(consumers, "stats", "quarantined_peers"))
         yield g
-        g = GaugeMetricFamily("ectransport_quarantined_transfers",
-                              "Timed-out transfers holding their landing blocks (consumer)")
+        g = GaugeMetricFamily(
+            "ectransport_quarantined_transfers",
+            "Timed-out transfers holding their landing blocks (consumer)",
+        )
         g.add_metric([], total(consumers, "stats", "quarantined_transfers"))
         yield g
         g = GaugeMetricFamily("ectransport_fetches_in_flight", "Fetches in flight (consumer)")
         g.add_metric([], total(consumers, "stats", "in_flight"))
         yield g
-        g = GaugeMetricFamily("ectransport_plane_info",
-                              "Data planes in use and what runs underneath (e.g. UCX transports)",
-                              labels=["role", "plane", "transport"])
+        g = GaugeMetricFamily(
+            "ectransport_plane_info",
+            "Data planes in use and what runs underneath (e.g. UCX transports)",
+            labels=["role", "plane", "transport"],
+        )
         seen: set[tuple[str, str, str]] = set()
         for s in (*producers, *consumers):
             for plane, transport in s.get("planes", {}).items():

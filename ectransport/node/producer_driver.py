@@ -71,8 +71,9 @@ class ServingSession(Protocol):
 class AnnouncingSession(Protocol):
     """A serving session that holds and offers announced entries (ECTP v2 §10)."""
 
-    def announce(self, mm_hash: str, now: float,
-                 to: str | Collection[str] | None = None) -> tuple[Ticket | None, list[Any]]: ...
+    def announce(
+        self, mm_hash: str, now: float, to: str | Collection[str] | None = None
+    ) -> tuple[Ticket | None, list[Any]]: ...
 
 
 @runtime_checkable
@@ -98,9 +99,15 @@ class ProducerDriver:
         trust: fleet trust of the session's admission (module docstring).
     """
 
-    def __init__(self, session: ServingSession, parts: Parts[ControlServer], *,
-                 observers: Observers | None = None,
-                 clock: Callable[[], float] = time.monotonic, trust: NodeTrust | None = None):
+    def __init__(
+        self,
+        session: ServingSession,
+        parts: Parts[ControlServer],
+        *,
+        observers: Observers | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        trust: NodeTrust | None = None,
+    ):
         self.parts = parts
         self.trust = trust
         self.control = parts.control
@@ -112,7 +119,8 @@ class ProducerDriver:
         self.clock = clock
         self._last_sweep = float("-inf")
         self._waiting: WaitingSession | None = (
-            session if isinstance(session, WaitingSession) else None)
+            session if isinstance(session, WaitingSession) else None
+        )
         #: mm_hashes whose entries changed while requests waited for them (any thread appends,
         #: the stepping thread drains)
         self._changed: deque[str] = deque()
@@ -148,6 +156,8 @@ class ProducerDriver:
         events = self.control.poll(wait_s)
         trust = self.trust
         recheck = trust is not None and trust.refresh(self.clock() if now is None else now)
+        if trust is not None:  # the allow-list's refusals at the handshake, counted by reason
+            trust.handshake_refusals(int(getattr(self.control, "reject_count", 0) or 0))
         cmds: list[Command] = []
         while self._deferred:
             cmds.append(self._deferred.popleft())

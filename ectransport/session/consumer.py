@@ -150,6 +150,7 @@ class ConsumerSession:
         self.fetches = FetchTable(self, s, store)
         self._welcome: Welcome | None = None  # an OK Welcome whose endpoint is being bound
         self._hello_due: float | None = None  # while a Hello is unanswered
+        self._hello_again = False  # once bound, say Hello again (on_trust_change)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -263,10 +264,8 @@ class ConsumerSession:
 
     def fetch_probe(self, now: float) -> list[Command]:
         """Probe a producer whose quarantine ended (Hello), without a fetch."""
-        if (not self.backoff.probe_due or self.link not in (Link.READY, Link.GREETING)
-                or self.backoff.blocked(now)):
-            return []
-        return self._probe(now)
+        due = self.backoff.probe_due and not self.backoff.blocked(now)
+        return self._probe(now) if due and self.link in (Link.READY, Link.GREETING) else []
 
     def on_auth_failed(self, reason: str, now: float) -> list[Command]:
         return self._fail_session(Miss("", MissReason.AUTH, reason))
@@ -276,12 +275,11 @@ class ConsumerSession:
         quarantined, and the producer is quarantined."""
         was_live = self.live
         self._go("down")  # first: no XferDone to a dead peer
-        cmds = self.fetches.peer_down(now, "producer went away" if was_live
-                                      else "producer unreachable")
+        why = "producer went away" if was_live else "producer unreachable"
+        cmds = self.fetches.peer_down(now, why)
         self.version, self._welcome, self._hello_due = None, None, None
         self.offers.stop()
-        self.penalize(now, "producer went away" if was_live
-                      else "producer unreachable (no connection)")
+        self.penalize(now, why if was_live else f"{why} (no connection)")
         return cmds
 
     def on_frame(self, data: bytes, now: float) -> list[Command]:
@@ -336,6 +334,8 @@ class ConsumerSession:
         assert msg is not None  # BINDING always holds its Welcome
         self.binding = binding
         self.version, self.plane, self.producer_id = msg.version, msg.plane, msg.node_id
+        if self._hello_again:  # on_trust_change: the new Welcome decides; nothing asked before
+            return self._probe(now)
         if self.backoff.lift():
             self.emit("peer_lifted")
         self._hello_due = None
@@ -362,10 +362,13 @@ class ConsumerSession:
 
     def on_trust_change(self, refused: Refused | None, now: float) -> list[Command]:
         """A re-check no longer admits the producer (``refused``), or this node's certificate
-        was re-issued (None): revoked fails the session, else a new Hello (:mod:`.admission`)."""
+        was re-issued (None): revoked fails the session, else a new Hello (:mod:`.admission`),
+        at once when READY, else once bound (the Welcome being bound, or the Hello sent, is stale)."""
         if refused is not None and refused.reason is RefusalReason.REVOKED:
             return [] if self.link is Link.FAILED else self._fail_session(
                 Miss("", MissReason.AUTH, refusal_detail(refused)))
+        if self.link is Link.BINDING or (refused is None and self.link is Link.GREETING):
+            self._hello_again = True
         return self._probe(now) if self.link is Link.READY else []
 
     def on_read_posted(self, mm_hash: str, handle: Any, now: float) -> list[Command]:
@@ -419,7 +422,7 @@ class ConsumerSession:
         self.link = nxt
 
     def _hello(self, now: float) -> list[Command]:
-        self._hello_due = now + self.settings.hello_timeout_s
+        self._hello_due, self._hello_again = now + self.settings.hello_timeout_s, False
         c = self.config
         return [Send(self.conn, encode(Hello(
             v=max(c.versions), session_id=self.session_id, node_id=c.node_id,

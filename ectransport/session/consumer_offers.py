@@ -10,7 +10,10 @@ whether a fetch given a :class:`~ectransport.protocol.Ticket` may read at once
 (:meth:`OfferTable.lookup`). The read then runs as a granted one (validity window, ``XferDone``
 after the READ, quarantine on timeout). Anything else — no offer yet, another mm_hash, a producer
 other than the ticket's, a window too short to read in (:data:`MIN_OFFER_LEFT_S`) — is fetched
-with a request, as without a ticket.
+with a request. A fetch with no ticket reads the newest usable offer of its mm_hash this session
+holds, if any: the producer offered it to this session (a consumer it names in a targeted
+announcement, e.g. one the fleet directory says waits for the entry, may be told nothing else);
+it is the same hold and the same window a ticket would name.
 
 **Window.** An item is usable until ``anchor + valid_s − margin`` on this consumer's clock, where
 ``anchor`` is the ``t`` of one of this session's own ``Sync`` frames (an offer naming any other
@@ -70,6 +73,7 @@ class OfferTable:
         self.on = False
         self.next_sync: float | None = None
         self._offers: collections.OrderedDict[int, OfferRecord] = collections.OrderedDict()
+        self._newest: dict[str, int] = {}  # mm_hash -> hold id of its newest offer
         self._syncs: collections.deque[float] = collections.deque(maxlen=MAX_SYNCS)
         self._bytes = 0
         self._next_prune = 0.0
@@ -90,6 +94,7 @@ class OfferTable:
         self.on = False
         self.next_sync = None
         self._offers.clear()
+        self._newest.clear()
         self._bytes = 0
 
     def synced(self, now: float) -> None:
@@ -131,6 +136,7 @@ class OfferTable:
                 continue  # nothing new (a hold never shortens)
             self._drop(g.grant_id)
             self._offers[g.grant_id] = OfferRecord(it.mm_hash, g, until)
+            self._newest[it.mm_hash] = g.grant_id
             self._bytes += len(g.plane_grant)
             while self._offers and (len(self._offers) > MAX_OFFERS
                                     or self._bytes > MAX_OFFER_BYTES):
@@ -140,8 +146,11 @@ class OfferTable:
     def lookup(self, mm_hash: str, ticket: Ticket | None, producer_id: str,
                now: float) -> OfferRecord | None:
         """The usable offer ``ticket`` names for ``mm_hash`` from producer ``producer_id``, or
-        None (a fallback to a request, counted in :attr:`fallbacks` by why)."""
-        if ticket is None or ticket.hold_id == 0:
+        None (a fallback to a request, counted in :attr:`fallbacks` by why). With no ticket,
+        the newest usable offer of ``mm_hash`` (module docstring), or None (not counted)."""
+        if ticket is None:
+            return self._untargeted(mm_hash, now)
+        if ticket.hold_id == 0:
             return None
         rec = self._offers.get(ticket.hold_id)
         why = ""
@@ -161,7 +170,17 @@ class OfferTable:
         self.reads += 1
         return rec
 
+    def _untargeted(self, mm_hash: str, now: float) -> OfferRecord | None:
+        hid = self._newest.get(mm_hash)
+        rec = self._offers.get(hid) if hid is not None and self.on else None
+        if rec is None or rec.usable_until - now < MIN_OFFER_LEFT_S:
+            return None
+        self.reads += 1
+        return rec
+
     def _drop(self, hold_id: int) -> None:
         rec = self._offers.pop(hold_id, None)
         if rec is not None:
             self._bytes -= len(rec.grant.plane_grant)
+            if self._newest.get(rec.mm_hash) == hold_id:
+                del self._newest[rec.mm_hash]

@@ -9,11 +9,14 @@ worker process (``ECConnectorRole.WORKER``); each forwards to its delegate
                            "ec_connector_module_path": "ectransport.vllm",
                            "ec_role": "ec_producer", "ec_connector_extra_config": {...}}'
 
-Settings: :mod:`ectransport.vllm.settings`. Deployment: ``docs/vllm.md``.
+Settings: :mod:`ectransport.vllm.settings`. Deployment: ``docs/vllm.md``. Fleet metrics go
+through vLLM's EC connector stats path (:mod:`ectransport.vllm.ec_stats`).
 """
 
 from __future__ import annotations
 
+import time
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +31,12 @@ from ectransport.vllm.layout import layout_for
 from ectransport.vllm.scheduler import SchedulerDelegate
 from ectransport.vllm.settings import parse_settings
 from ectransport.vllm.worker import WorkerDelegate
+
+_stats: ModuleType | None
+try:  # vLLM's EC connector stats path (0.33); an older vLLM has none
+    from ectransport.vllm import ec_stats as _stats
+except ImportError:
+    _stats = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,3 +137,26 @@ class ECTransportConnector(ECConnectorBase):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # -- stats (vLLM's EC connector stats path: ectransport.vllm.ec_stats) ---------------------
+    def get_ec_connector_stats(self) -> Any:
+        """The fleet directory's counters of the last interval (scheduler side), or None."""
+        if self._scheduler is None or self._scheduler.fleet is None or _stats is None:
+            return None
+        data = self._scheduler.fleet.interval_stats(time.monotonic())
+        return _stats.ECTransportStats(data=data) if data else None
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if _stats is None:
+            return None
+        return _stats.ECTransportStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        if _stats is None:
+            return None
+        return _stats.ECTransportPromMetrics(vllm_config, metric_types, labelnames,
+                                             per_engine_labelvalues)

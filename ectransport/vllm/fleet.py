@@ -27,6 +27,14 @@ wait. Holders come only from the directory's trust predicate (:func:`fleet_trust
 explicit ``producer_keys``, or a certificate when fleet trust admits by certificate — never the
 announced-key rule, so a hostile directory can cause a miss, never a fetch from an untrusted
 peer (CURVE still authenticates the key, the producer still checks the compatibility hash).
+
+Targeted offers from the directory (:mod:`ectransport.fleet.wants`): an instance with a consumer
+side that claims a cold item records its consumer's node id in the item's wants set; the
+claimant, once its entry is READY (:meth:`FleetSide.ready`), takes that set and announces the
+entry to exactly those consumers (``ProducerNode.announce(to=...)``), so that a waiter whose
+session with the claimant is up reads it on the offer, with no request (a fetch with no ticket
+reads an offer of its item: ``ectransport.session.consumer_offers``). Both run on a background
+thread; a want that arrives late, or an offer that does, only means a fetch with a request.
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import enum
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ectransport.errors import ConfigError
-from ectransport.fleet import Acquired, Acquisition, Directory, Holder, LookupBatcher
+from ectransport.fleet import Acquired, Acquisition, Directory, Holder, LookupBatcher, wants
 from ectransport.fleet.filter import TrustPredicate, trust_any
 from ectransport.node.common import Layout
 from ectransport.vllm.announcement import TRANSPORT, Announcement
@@ -71,6 +80,11 @@ class Decision:
 
 
 PENDING = Decision(Verdict.PENDING)
+
+#: The directory counters :meth:`FleetSide.interval_stats` reports (``Directory.stats()`` names):
+#: items found held (``hits``) or not (``misses``), lookups it could not answer, claims by outcome.
+INTERVAL_COUNTERS = ("hits", "misses", "unavailable", "claims_won", "claims_lost",
+                     "claims_waited", "claims_expired", "claims_wait_timeout", "claims_released")
 
 
 def fleet_trust(keys: ProducerKeys, *, fetches: bool) -> TrustPredicate:
@@ -109,11 +123,17 @@ class FleetSide:
         claims: claim cold items before encoding them (roles that encode and publish).
         encoding: hands a claim this instance won to its producer node (released when the
             entry is published or given up).
+        consumer_id: this instance's consumer node id, recorded as a want of the cold items it
+            claims (None: no consumer side, nothing recorded).
+        offer: ``(mm_hash, consumers)`` announces an entry to those consumers (the producer
+            node's ``announce(mm_hash, to=consumers)``; None: no producer side).
     """
 
     def __init__(self, settings: Settings, layout: Layout, *, directory: Directory | None,
                  trusted: TrustPredicate, claims: bool,
-                 encoding: Callable[[Any], None] | None = None):
+                 encoding: Callable[[Any], None] | None = None,
+                 consumer_id: str | None = None,
+                 offer: Callable[[str, list[str]], Any] | None = None):
         fleet = settings.common.fleet
         self.settings = fleet
         self.own = directory is None
@@ -125,15 +145,26 @@ class FleetSide:
         self._claims: dict[str, tuple[cf.Future[Acquisition], float]] = {}
         self._encoding: dict[str, float] = {}  # mm_hash -> until: claimed and encoding here
         self._asked: dict[str, float] = {}  # mm_hash -> first asked (pending lookups)
-        #: what an ``ec_producer`` found held elsewhere: announced for the request instead
+        #: what an ``ec_producer`` found held elsewhere (holder, when found): announced for the
+        #: request instead. A new request trusts it only as long as a lookup answer is reused
+        #: (``answer_ttl_s``: a third of ``liveness_ttl_s``), then the item is looked up again,
+        #: so a holder that died is named at most until its liveness lapses from the directory
+        #: (``liveness_ttl_s``) and that answer ages out
         self.remote: dict[str, tuple[Holder, float]] = {}
         self.outcomes: dict[str, int] = {}
+        self._outcomes_lock = threading.Lock()  # abandoned claims are counted on other threads
+        self.consumer_id = consumer_id
+        self.offer = offer
+        self._background: cf.ThreadPoolExecutor | None = None  # wants: never the scheduler's
+        self._interval_at = float("-inf")  # interval_stats: when last computed, and what
+        self._interval_last: dict[str, Any] = {"counts": {}, "buckets": [], "sum_s": 0.0}
         #: the longest an item waits for the directory before it is encoded locally, s
         self.max_pending_s = fleet.claim_wait_s + 2 * fleet.lookup_timeout_s + \
             fleet.connect_timeout_s + 1.0
 
     def _count(self, what: str) -> None:
-        self.outcomes[what] = self.outcomes.get(what, 0) + 1
+        with self._outcomes_lock:
+            self.outcomes[what] = self.outcomes.get(what, 0) + 1
 
     # -- the decision ----------------------------------------------------------------------
     def decide(self, mm_hash: str, nbytes: int, now: float) -> Decision:
@@ -166,12 +197,16 @@ class FleetSide:
             return Decision(Verdict.LOCAL, detail=why)
         fut = self.directory.submit_claim_or_wait(mm_hash, nbytes=nbytes)
         self._claims[mm_hash] = (fut, now)
+        if self.consumer_id is not None:  # if another instance encodes it: offer it to us
+            me, ttl_s = self.consumer_id, self.max_pending_s
+            self._in_background(lambda: wants.want(self.directory, mm_hash, me, ttl_s))
         return self._claimed(mm_hash, fut, 0.0)
 
     def _claimed(self, mm_hash: str, fut: cf.Future[Acquisition], age_s: float) -> Decision:
         if not fut.done():
             if age_s > self.max_pending_s:
                 del self._claims[mm_hash]
+                self._abandon(mm_hash, fut)
                 self._count("local:no_answer")
                 return Decision(Verdict.LOCAL, detail="no answer to the claim in time")
             return PENDING
@@ -201,14 +236,18 @@ class FleetSide:
         for feature in getattr(request, "mm_features", None) or ():
             pos = feature.mm_position
             mm_hash = feature.identifier
-            if pos.offset + pos.length <= num_computed_tokens or mm_hash in self.remote \
-                    or held_here(mm_hash):
+            if pos.offset + pos.length <= num_computed_tokens or held_here(mm_hash):
+                continue
+            found = self.remote.get(mm_hash)
+            if found is not None and now - found[1] <= self.batcher.answer_ttl_s:
                 continue
             d = self.decide(mm_hash, int(pos.get_num_embeds()) * block_bytes, now)
             if d.verdict is Verdict.PENDING:
-                pending = True
+                pending = True  # (a stale holder is not named meanwhile: the request waits)
             elif d.verdict is Verdict.FETCH:
                 self.remote[mm_hash] = (d.holders[0], now)
+            else:
+                self.remote.pop(mm_hash, None)  # encoded here after all
         return not pending
 
     def remote_holder(self, mm_hash: str) -> Holder | None:
@@ -223,11 +262,41 @@ class FleetSide:
         if not ok:
             self.batcher.forget(mm_hash)
 
+    def ready(self, mm_hash: str) -> None:
+        """The producer committed ``mm_hash`` (READY). If this instance claimed it, the
+        consumers the directory says wait for it are offered it (module docstring); on a
+        background thread, never blocking."""
+        if mm_hash not in self._encoding or self.offer is None:
+            return
+        offer, me = self.offer, self.consumer_id
+
+        def offer_to_waiters() -> None:
+            names = wants.take_wants(self.directory, mm_hash)
+            if not isinstance(names, list):
+                return  # the directory did not answer: they fetch with a request
+            names = [n for n in names if n != me]
+            if names:
+                offer(mm_hash, names)
+                self._count("offered_waiters")
+
+        self._in_background(offer_to_waiters)
+
+    def _in_background(self, fn: Callable[[], Any]) -> None:
+        if self._background is None:
+            self._background = cf.ThreadPoolExecutor(1, thread_name_prefix="ect-fleet-wants")
+        try:
+            self._background.submit(_logged, fn)
+        except RuntimeError:  # closed
+            pass
+
     def step(self, now: float) -> None:
         """Once per scheduler step: this step's lookups as one pipeline; state nobody asks for
         any more pruned (a claim won for a request that went away is given back)."""
         self.batcher.flush()
-        for m in [m for m, (_, t) in self.remote.items() if now - t > 60.0]:
+        # a request admitted on a holder keeps it until request_finished (a few steps); one
+        # admitted later looks the item up again (admit_encoder)
+        keep_s = 2 * self.settings.liveness_ttl_s
+        for m in [m for m, (_, t) in self.remote.items() if now - t > keep_s]:
             del self.remote[m]
         for m in [m for m, t in self._asked.items() if now - t > self.max_pending_s]:
             del self._asked[m]
@@ -236,19 +305,75 @@ class FleetSide:
         for m, (fut, t) in list(self._claims.items()):
             if fut.done() and now - t > self.max_pending_s:
                 del self._claims[m]
-                got = fut.result()
-                if got.claim is not None and not self.own and m not in self.directory.held():
-                    # won for nobody: given back by the directory's thread (never blocks here)
-                    self.directory.unpublish(m, claim=got.claim)
+                self._abandon(m, fut)
+
+    def _abandon(self, mm_hash: str, fut: cf.Future[Acquisition]) -> None:
+        """Nobody waits for this claim attempt any more: a claim it won (now, or later — the
+        attempt may still be polling on the directory's thread) is given back, unless the
+        item was published meanwhile (the publication released it). Never blocks: the release
+        is queued on the directory's holder thread."""
+
+        def give_back(done: cf.Future[Acquisition]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            claim = done.result().claim
+            if claim is not None and not self.own and mm_hash not in self.directory.held():
+                self._count("claims_abandoned")
+                self.directory.unpublish(mm_hash, claim=claim)
+
+        fut.add_done_callback(give_back)
+
+    def interval_stats(self, now: float, min_interval_s: float = 1.0) -> dict[str, Any] | None:
+        """What moved since the last call (vLLM's per-interval connector stats), at most once
+        per ``min_interval_s`` (None before that, or when nothing moved):
+        ``{"counts": {name: n}, "lookup_buckets": [n per bucket of
+        ectransport.fleet.stats.LOOKUP_BUCKETS_S, then +Inf], "lookup_sum_s": s}``. Counts:
+        the directory's :data:`INTERVAL_COUNTERS` and this side's decisions as
+        ``decision:<outcome>``."""
+        if now - self._interval_at < min_interval_s:
+            return None
+        self._interval_at = now
+        snap = self.directory.stats()
+        counts = {k: int(snap.get(k, 0)) for k in INTERVAL_COUNTERS}
+        counts.update({f"decision:{k}": n for k, n in self.outcome_counts().items()})
+        hist, sum_s = self.directory.stats_.histogram()
+        cumulative = [n for _, n in hist]
+        buckets = [b - a for a, b in zip([0, *cumulative], cumulative)]
+        last = self._interval_last
+        self._interval_last = {"counts": counts, "buckets": buckets, "sum_s": sum_s}
+        delta = {k: n - last["counts"].get(k, 0) for k, n in counts.items()}
+        delta = {k: n for k, n in delta.items() if n}
+        dbuckets = [n - (last["buckets"][i] if i < len(last["buckets"]) else 0)
+                    for i, n in enumerate(buckets)]
+        if not delta and not any(dbuckets):
+            return None
+        return {"counts": delta, "lookup_buckets": dbuckets,
+                "lookup_sum_s": sum_s - float(last["sum_s"])}
+
+    def outcome_counts(self) -> dict[str, int]:
+        """A copy of :attr:`outcomes` (any thread): what this side decided, by outcome."""
+        with self._outcomes_lock:
+            return dict(self.outcomes)
 
     def stats(self) -> dict[str, float]:
         """The directory's counters (``hits``, ``misses``, ``claims_*``, ``lookup_p50_s``...)
         and this side's outcomes (``found``, ``claimed``, ``local:*``, ``fetched``...)."""
-        return {**self.directory.stats(), **{f"vllm_{k}": v for k, v in self.outcomes.items()}}
+        return {**self.directory.stats(),
+                **{f"vllm_{k}": v for k, v in self.outcome_counts().items()}}
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         if self.own:
             self.directory.close()
+
+
+def _logged(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a hint lost: the waiters fetch with a request
+        log.warning("EC fleet: recording or offering to waiting consumers failed",
+                    exc_info=True)
 
 
 def holder_announcement(h: Holder, layout: Layout, settings: Settings) -> dict[str, Any]:

@@ -9,7 +9,9 @@ Per feature of a waiting request (``ensure_cache_available``), in order:
 5. no announcement (no params entry, or one without ``peer_host``: vLLM's metadata-only
    entries) → with a fleet directory (``fleet_url``), what it says
    (:mod:`ectransport.vllm.fleet`: wait for its answer, fetch from its holders in order, or
-   compute locally); without one, compute locally;
+   compute locally) — unless vLLM's own encoder cache holds the item (it was allocated here and
+   vLLM has not reported it freed: ``free_encoder_mm_hashes``), then nothing is asked; without a
+   directory, compute locally;
 6. a malformed announcement (:func:`~ectransport.vllm.announcement.read_announcement`: a field
    of the wrong type, out of bounds or missing), announced size or shape ≠ local layout, an
    untrusted producer key → compute locally without fetching (logged, counted in ``outcomes``);
@@ -35,7 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,8 @@ from ectransport.vllm.trust import ProducerKeys
 log = logging.getLogger("ectransport.vllm.consumer")
 
 _GRACE_S = 5.0  # the node resolves every fetch by its deadline; this only guards against a bug
+#: items of vLLM's encoder cache tracked at most (oldest forgotten first: looked up again)
+MAX_TRACKED = 1 << 16
 
 
 @dataclass
@@ -116,6 +120,9 @@ class ConsumerSide:
         self._admit_spent_s = 0.0
         #: the fleet directory (``ectransport.vllm.fleet``), set by the scheduler delegate
         self.fleet: FleetSide | None = None
+        #: items vLLM's encoder cache holds: allocated (computed or loaded) and not reported
+        #: freed since; a fleet lookup for one of them would fetch what vLLM does not need
+        self._in_vllm: OrderedDict[str, None] = OrderedDict()
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -171,9 +178,10 @@ class ConsumerSide:
             if (rid, mm_hash) in self._local:
                 continue
             if mm_hash not in params or not is_announced(params[mm_hash]):
-                if self.fleet is not None and self._from_fleet(rid, mm_hash, feature, now):
+                if self.fleet is not None and mm_hash not in self._in_vllm and \
+                        self._from_fleet(rid, mm_hash, feature, now):
                     pending = True
-                continue  # not announced: the fleet's holder, or the encoder here
+                continue  # not announced: vLLM's cache, the fleet's holder, or the encoder
             if self._start(rid, mm_hash, feature, params[mm_hash], now):
                 pending = True
                 if self._fetches[mm_hash].fast:
@@ -278,10 +286,11 @@ class ConsumerSide:
                           "started, %d scheduler step(s) later", mm_hash, out.nbytes, out.plane,
                           (now - f.started) * 1e3, f.steps)
         else:
-            if f.holders and now < f.give_up:  # a fleet holder missed: the next one
+            if f.holders and now < f.give_up - _GRACE_S:  # a fleet holder missed: the next
                 log.info("EC consumer: fleet holder of %s missed (%s); trying the next",
                          mm_hash, out.reason.value)
-                self._fleet_fetch(f.waiters, mm_hash, f.nbytes, f.holders, now)
+                self._fleet_fetch(f.waiters, mm_hash, f.nbytes, f.holders, now,
+                                  give_up=f.give_up)
                 return False
             self._fall_back(f.waiters, mm_hash, f"miss:{out.reason.value}")
             log.info("EC consumer: fetch of %s missed (%s: %s); computing locally", mm_hash,
@@ -307,14 +316,14 @@ class ConsumerSide:
         return False
 
     def _fleet_fetch(self, waiters: set[str], mm_hash: str, nbytes: int,
-                     holders: tuple[Any, ...], now: float) -> None:
-        """Fetch ``mm_hash`` from the first of ``holders`` (the rest tried on a miss, within one
-        ``fetch_timeout_s`` in all)."""
+                     holders: tuple[Any, ...], now: float, give_up: float | None = None) -> None:
+        """Fetch ``mm_hash`` from the first of ``holders``; the rest are tried on a miss, all
+        within one ``fetch_timeout_s`` counted from the first holder's fetch (``give_up``: that
+        fetch's, for the next holders), so a dead fleet costs a request one deadline at most."""
         h, rest = holders[0], holders[1:]
-        first = self._fetches.get(mm_hash)
-        give_up = first.give_up if first is not None else \
-            now + self.settings.fetch_timeout_s + _GRACE_S
-        left = max(0.1, give_up - _GRACE_S - now)
+        if give_up is None:
+            give_up = now + self.settings.fetch_timeout_s + _GRACE_S
+        left = give_up - _GRACE_S - now  # > 0: _settle tries the next holder only before it
         future = self.node.submit_held(ProducerAddress(h.host, h.port, h.public_key), mm_hash,
                                        timeout_s=min(self.settings.fetch_timeout_s, left))
         self._fetches[mm_hash] = _Fetch(future, nbytes, give_up, set(waiters), started=now,
@@ -338,6 +347,18 @@ class ConsumerSide:
         order = LoadOrder(mm_hash, self.loads.new_id(), tuple(self.part.spans(h.runs, h.nbytes)),
                           h.nbytes, (h.nbytes // self.layout.block_bytes, self.layout.hidden))
         self.loads.add(order, owner=OWNER, on_done=lambda: self._load_done(mm_hash), now=now)
+
+    def in_vllm_cache(self, mm_hash: str) -> None:
+        """vLLM allocated ``mm_hash`` in its encoder cache (``update_state_after_alloc``)."""
+        self._in_vllm.pop(mm_hash, None)
+        self._in_vllm[mm_hash] = None
+        while len(self._in_vllm) > MAX_TRACKED:  # bounded whatever vLLM reports
+            self._in_vllm.popitem(last=False)
+
+    def vllm_freed(self, mm_hashes: Any) -> None:
+        """vLLM evicted these from its encoder cache (``free_encoder_mm_hashes`` of a step)."""
+        for m in mm_hashes or ():
+            self._in_vllm.pop(m, None)
 
     def step(self, now: float) -> None:
         """Once per scheduler step, before the ledger hands out this step's orders: settles
@@ -385,4 +406,5 @@ class ConsumerSide:
         self._local.clear()
         self._unavailable.clear()
         self._checked.clear()
+        self._in_vllm.clear()
 

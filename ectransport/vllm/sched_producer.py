@@ -65,6 +65,8 @@ class ProducerSide:
         self._reserved: dict[str, SaveOrder] = {}  # reserved, not yet dispatched
         self._saving: dict[str, tuple[int, float, int]] = {}  # dispatched: entry_id, give-up, slot
         self._drops: list[tuple[str, int]] = []
+        #: called with an mm_hash once its entry is READY (the fleet side offers it to waiters)
+        self.on_ready: Callable[[str], None] | None = None
         log.info("EC producer %s serving on %s:%d (planes %s, %d blocks of %d bytes)",
                  node_id, settings.announced_host, self.node.port, ",".join(settings.planes),
                  part.num_blocks, part.block_bytes)
@@ -160,6 +162,8 @@ class ProducerSide:
         self._end(mm_hash)
         if self.node.commit(mm_hash, entry_id):
             log.debug("EC producer: %s ready", mm_hash)
+            if self.on_ready is not None:
+                self.on_ready(mm_hash)
 
     def _failed(self, mm_hash: str, entry_id: int, why: str) -> None:
         self._end(mm_hash)

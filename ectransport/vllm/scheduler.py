@@ -6,7 +6,8 @@ a :class:`ProducerSide` for ``ec_producer``, a :class:`ConsumerSide` for ``ec_co
 the roles that save, the :class:`~ectransport.vllm.local_tier.LocalTier` (a repeated item is
 taken from this instance's own region). The consumer side and the local tier queue their load
 orders in one :class:`~ectransport.vllm.loads.LoadLedger`, which hands them to the workers and
-counts the ranks' reports. With a fleet directory (``fleet_url``: :mod:`ectransport.vllm.fleet`)
+counts the ranks' reports. With ``metrics_port`` the connector's Prometheus metrics are served
+from this process (:mod:`ectransport.vllm.metrics`). With a fleet directory (``fleet_url``: :mod:`ectransport.vllm.fleet`)
 items without ``ec_transfer_params`` are looked up (every role), claimed before they are encoded
 (the roles that encode), and the producer node publishes what it holds. Every method is a thin
 dispatch; the transfer logic lives in the nodes and sessions.
@@ -28,6 +29,7 @@ from ectransport.vllm.fleet import FleetSide, fleet_trust, holder_announcement
 from ectransport.vllm.loads import LoadLedger
 from ectransport.vllm.local_tier import LocalTier
 from ectransport.vllm.metadata import ECTransportMetadata, ECTransportWorkerMetadata
+from ectransport.vllm.metrics import AdapterMetrics
 from ectransport.vllm.region import SharedRegion, region_path
 from ectransport.vllm.sched_consumer import ConsumerSide
 from ectransport.vllm.sched_producer import ProducerSide
@@ -37,13 +39,17 @@ from ectransport.vllm.trust import ProducerKeys
 log = logging.getLogger("ectransport.vllm.scheduler")
 
 
-def engine_key(vllm_config: Any) -> str:
-    """What names this engine's region: the EC engine id and the data-parallel rank."""
-    ec = vllm_config.ec_transfer_config
+def data_parallel_rank(vllm_config: Any) -> int:
+    """This engine's data-parallel rank (0 without data parallelism)."""
     dp = getattr(vllm_config.parallel_config, "data_parallel_index", None)
     if dp is None:
         dp = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
-    return f"{ec.engine_id}-dp{dp}"
+    return int(dp or 0)
+
+
+def engine_key(vllm_config: Any) -> str:
+    """What names this engine's region: the EC engine id and the data-parallel rank."""
+    return f"{vllm_config.ec_transfer_config.engine_id}-dp{data_parallel_rank(vllm_config)}"
 
 
 def expected_load_reports(vllm_config: Any) -> int:
@@ -105,6 +111,7 @@ class SchedulerDelegate:
         self.consumer: ConsumerSide | None = None
         self.local: LocalTier | None = None
         self.fleet: FleetSide | None = None
+        self.metrics: AdapterMetrics | None = None
         self.loads = LoadLedger(expected_load_reports(vllm_config), settings.load_timeout_s)
         self._item_metadata = item_metadata(vllm_config) if producer else None
         fleet = settings.common.fleet.url is not None
@@ -127,14 +134,33 @@ class SchedulerDelegate:
                                              local=self.local.has if self.local else None)
             if fleet and trusted is not None:
                 pf = self.producer.node.fleet if self.producer is not None else None
-                self.fleet = FleetSide(settings, layout, trusted=trusted, claims=pf is not None,
-                                       directory=pf.directory if pf is not None else None,
-                                       encoding=pf.encoding if pf is not None else None)
+                node = self.producer.node if self.producer is not None else None
+                self.fleet = FleetSide(
+                    settings, layout, trusted=trusted, claims=pf is not None,
+                    directory=pf.directory if pf is not None else None,
+                    encoding=pf.encoding if pf is not None else None,
+                    consumer_id=self.consumer.node.node_id if self.consumer is not None else None,
+                    offer=(lambda m, to: node.announce(m, to=to)) if node is not None else None)
                 if self.consumer is not None:
                     self.consumer.fleet = self.fleet
+                if self.producer is not None and pf is not None:
+                    self.producer.on_ready = self.fleet.ready
+            self.metrics = self._metrics(vllm_config)
         except BaseException:
             self.shutdown()
             raise
+
+    def _metrics(self, vllm_config: Any) -> AdapterMetrics | None:
+        """The connector's Prometheus metrics (:mod:`ectransport.vllm.metrics`) on
+        ``metrics_port`` (+ the data-parallel rank), or None when it is unset."""
+        port = self.settings.common.metrics.port
+        if port is None:
+            return None
+        if port:
+            port += data_parallel_rank(vllm_config)
+        nodes = [side.node for side in (self.producer, self.consumer) if side is not None]
+        return AdapterMetrics(nodes, self.fleet, port=port,
+                              host=self.settings.common.metrics.host)
 
     def _unlink_on_termination(self) -> None:
         """Remove the region file's name as soon as SIGTERM / SIGINT arrives, then run the
@@ -198,6 +224,8 @@ class SchedulerDelegate:
         here (ec_both does not re-serve what it fetched)."""
         mm_hash = request.mm_features[index].identifier
         now = time.monotonic()
+        if self.consumer is not None:  # in vLLM's encoder cache from this step on
+            self.consumer.in_vllm_cache(mm_hash)
         if self.local is not None and self.local.has(mm_hash) and \
                 self.local.on_alloc(request, index, now):
             return
@@ -217,6 +245,7 @@ class SchedulerDelegate:
         if self.producer is not None:
             meta.saves, meta.drop_saves = self.producer.take_orders(now)
         if self.consumer is not None:
+            self.consumer.vllm_freed(getattr(scheduler_output, "free_encoder_mm_hashes", ()))
             self.consumer.step(now)
         if self.fleet is not None:
             self.fleet.step(now)  # this step's directory lookups: one pipeline
@@ -279,6 +308,10 @@ class SchedulerDelegate:
         if loads is not None:
             loads.close()  # gives back the load pins while the nodes are still open
         self.local = None
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
+            self.metrics = None
         fleet = getattr(self, "fleet", None)  # None when __init__ failed before setting it
         if fleet is not None:
             fleet.close()  # a lookup-only directory; the producer's goes with its node

@@ -133,6 +133,7 @@ class Settings:
     fleet_tls_ca_file: str | None = key("fleet.tls_ca_file", "both")
     fleet_tls_cert_file: str | None = key("fleet.tls_cert_file", "both")
     fleet_tls_key_file: str | None = key("fleet.tls_key_file", "both")
+    fleet_cluster: bool = key("fleet.cluster", "both")
     fleet_namespace: str = key("fleet.namespace", "both")
     fleet_instance: str | None = key("fleet.instance", "producer, both",
                                      "unset = the producer's node id, ect-p-<engine_id>-dp<rank>")
@@ -142,6 +143,10 @@ class Settings:
     broadcast_offers: bool = key("producer.broadcast_offers", "producer",
                                  "a request may name its consumer in ec_transfer_params "
                                  "{\"ect_offer_to\": node id or key}")
+    metrics_port: int | None = key("metrics.port", "both", "served by the engine-core "
+                                   "process (the scheduler's), one registry per engine; with "
+                                   "data parallelism rank r binds metrics_port + r")
+    metrics_host: str = key("metrics.host", "both")
     #: the ec_connector_extra_config these settings were parsed from
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     #: the shared keys as schema settings (the rest at ``settings_schema.VLLM``)

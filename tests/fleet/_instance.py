@@ -4,14 +4,17 @@ claim-taking directory: an ``ec_both`` instance without vLLM), driven by tests/f
     python -m tests.fleet._instance SPEC_JSON
 
 ``SPEC_JSON``: ``{"name", "url", "secret", "public", "trusted": [producer keys],
-"liveness_ttl_s", "claim_wait_s", "entries", "corrupt"}`` (``corrupt``: what it encodes is
-not the encoder's output — a rogue holder). It prints ``{"ready": {...}}`` once its holder
-record is live, then answers one JSON command per stdin line with one JSON line:
+"liveness_ttl_s", "claim_wait_s", "entries", "corrupt", "host"}`` (``corrupt``: what it encodes
+is not the encoder's output — a rogue holder; ``host``: the producer's bind address, default
+loopback; off loopback its allow-list is ``trusted``, every instance's key). It prints
+``{"ready": {...}}`` once its holder record is live, then answers one JSON command per stdin
+line with one JSON line:
 
     {"need": MM}        -> {"mm": MM, "how": "fetched"|"encoded"|"local", "from": instance|None,
                             "ok": bytes equal the encoder's output, "tried": [instances],
                             "waited_s": s}
     {"encode": MM}      -> the same, encoding without asking the directory
+    {"lookup": MM}      -> {"holders": [instance, ...]} (the directory's usable holders)
     {"stats": true}     -> {"encodes": n, "fleet": directory stats, "producer": node stats}
 
 Every item's bytes are a pure function of its mm_hash (the "encoder"), so any instance can
@@ -47,8 +50,7 @@ NBYTES = ROWS * LAYOUT.block_bytes
 def encoder_output(mm_hash: str) -> np.ndarray:
     """The "encoder": ``[ROWS, 512]`` uint8 rows derived from the mm_hash."""
     seed = int.from_bytes(hashlib.sha256(mm_hash.encode()).digest()[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, (ROWS, LAYOUT.block_bytes),
-                                                dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, (ROWS, LAYOUT.block_bytes), dtype=np.uint8)
 
 
 def say(obj: dict) -> None:
@@ -59,20 +61,39 @@ def say(obj: dict) -> None:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     trusted = set(spec["trusted"])
-    fleet = FleetSettings(url=spec["url"], liveness_ttl_s=spec.get("liveness_ttl_s", 1.5),
-                          lookup_timeout_s=0.3, op_timeout_s=0.5, connect_timeout_s=0.3,
-                          retry_backoff_s=0.05, retry_backoff_max_s=0.3,
-                          claim_wait_s=spec.get("claim_wait_s", 10.0), claim_ttl_s=5.0)
-    security = Security(public_key=spec["public"], secret_key=spec["secret"])
-    producer = ProducerNode(layout=LAYOUT, security=security,
-                            settings=ProducerSettings(region_bytes=spec.get("entries", 8) *
-                                                      NBYTES),
-                            node=NodeSettings(planes=("tcp",), node_id=spec["name"]),
-                            fleet=fleet, fleet_trusted=lambda k, c: k in trusted).start()
-    consumer = ConsumerNode(layout=LAYOUT, security=security,
-                            settings=ConsumerSettings(region_bytes=8 * NBYTES,
-                                                      fetch_timeout_s=5.0, hello_timeout_s=1.0),
-                            node=NodeSettings(planes=("tcp",)))
+    fleet = FleetSettings(
+        url=spec["url"],
+        liveness_ttl_s=spec.get("liveness_ttl_s", 1.5),
+        lookup_timeout_s=0.3,
+        op_timeout_s=0.5,
+        connect_timeout_s=0.3,
+        retry_backoff_s=0.05,
+        retry_backoff_max_s=0.3,
+        claim_wait_s=spec.get("claim_wait_s", 10.0),
+        claim_ttl_s=5.0,
+    )
+    host = spec.get("host", "127.0.0.1")
+    security = Security(
+        public_key=spec["public"],
+        secret_key=spec["secret"],
+        allow=None if host == "127.0.0.1" else trusted.__contains__,
+    )
+    producer = ProducerNode(
+        layout=LAYOUT,
+        security=security,
+        settings=ProducerSettings(region_bytes=spec.get("entries", 8) * NBYTES, host=host),
+        node=NodeSettings(planes=("tcp",), node_id=spec["name"]),
+        fleet=fleet,
+        fleet_trusted=lambda k, c: k in trusted,
+    ).start()
+    consumer = ConsumerNode(
+        layout=LAYOUT,
+        security=security,
+        settings=ConsumerSettings(
+            region_bytes=8 * NBYTES, fetch_timeout_s=5.0, hello_timeout_s=1.0
+        ),
+        node=NodeSettings(planes=("tcp",)),
+    )
     assert producer.fleet is not None
     directory: Directory = producer.fleet.directory
     fetcher = FleetFetcher(consumer, directory)
@@ -94,8 +115,11 @@ def main() -> int:
         for line in sys.stdin:
             cmd = json.loads(line)
             if "stats" in cmd:
-                say({"encodes": encodes, "fleet": directory.stats(),
-                     "producer": producer.stats()})
+                say({"encodes": encodes, "fleet": directory.stats(), "producer": producer.stats()})
+                continue
+            if "lookup" in cmd:
+                found = directory.lookup(cmd["lookup"], NBYTES)
+                say({"holders": [h.instance for h in found.get(cmd["lookup"], [])]})
                 continue
             mm = cmd.get("need") or cmd.get("encode")
             t0 = time.monotonic()
@@ -111,8 +135,10 @@ def main() -> int:
                     res["tried"] = [h.instance for h in got.holders]
                     out, h = fetcher.fetch_from(mm, got.holders, time.monotonic() + 5.0, NBYTES)
                     if h is not None and out.ok:
-                        res.update(how="fetched", ok=bool(np.array_equal(
-                            out.data, encoder_output(mm).reshape(-1))))
+                        res.update(
+                            how="fetched",
+                            ok=bool(np.array_equal(out.data, encoder_output(mm).reshape(-1))),
+                        )
                         res["from"] = h.instance
                         del out
                     else:

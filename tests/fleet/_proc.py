@@ -2,12 +2,13 @@
 
     python -m tests.fleet._proc holder URL NAME TTL_S MM...   publish MM..., print READY, block
     python -m tests.fleet._proc claimant URL NAME CLAIM_TTL_S MM  claim MM, print CLAIMED, block
-    python -m tests.fleet._proc contender URL NAME MM             see below
+    python -m tests.fleet._proc contender URL NAME MM [KEY=VALUE...]  see below
 
 A contender prints READY, waits for "go" on stdin, then runs ``claim_or_wait``. It prints
 WAITING once it lost the claim and is waiting; ENCODING if it won (then waits for "finish",
 publishes the item with its claim and prints ENCODED); FOUND <instance> if it found a holder;
-LOCAL <detail> if it gave up waiting. Every line is flushed at once.
+LOCAL <detail> if it gave up waiting. ``KEY=VALUE`` are ``[fleet]`` settings (floats;
+``liveness_ttl_s`` too); the defaults wait 60 s. Every line is flushed at once.
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ def say(text: str) -> None:
 
 
 def directory(url: str, name: str, ttl_s: float = 1.5, **kw: object) -> Directory:
-    settings = FleetSettings(url=url, liveness_ttl_s=ttl_s, lookup_timeout_s=1.0,
-                             op_timeout_s=1.0, **kw)  # type: ignore[arg-type]
-    ident = Identity(instance=name, host="127.0.0.1", port=6000 + sum(map(ord, name)) % 1000,
-                     public_key=zmq.curve_keypair()[0].decode(), compat_hash=COMPAT)
+    settings = FleetSettings(
+        url=url, liveness_ttl_s=ttl_s, lookup_timeout_s=1.0, op_timeout_s=1.0, **kw
+    )  # type: ignore[arg-type]
+    ident = Identity(
+        instance=name,
+        host="127.0.0.1",
+        port=6000 + sum(map(ord, name)) % 1000,
+        public_key=zmq.curve_keypair()[0].decode(),
+        compat_hash=COMPAT,
+    )
     d = Directory(settings, identity=ident, trusted=trust_any).start()
     if not d.wait_live(30):
         say("NOT_LIVE")
@@ -62,8 +69,10 @@ def claimant(url: str, name: str, claim_ttl_s: str, mm_hash: str) -> None:
     block()
 
 
-def contender(url: str, name: str, mm_hash: str) -> None:
-    d = directory(url, name, claim_wait_s=60.0)
+def contender(url: str, name: str, mm_hash: str, *options: str) -> None:
+    kw: dict[str, float] = {"claim_wait_s": 60.0, "liveness_ttl_s": 1.5}
+    kw.update((k, float(v)) for k, v in (o.split("=", 1) for o in options))
+    d = directory(url, name, kw.pop("liveness_ttl_s"), **kw)
     say("READY")
     if sys.stdin.readline().strip() != "go":
         sys.exit(1)

@@ -1,9 +1,14 @@
 """A real ``redis-server`` per test (``.ci/run`` installs it), on a free loopback port, with no
-persistence; and helpers to build directories and identities against it."""
+persistence; helpers to build directories and identities against it; fleet processes
+(:class:`Proc`: ``_proc.py``, :class:`Instance`: ``_instance.py``)."""
 
 from __future__ import annotations
 
+import json
+import queue
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +24,40 @@ from tests.fleet.redis_server import REDIS_SERVER, RedisServer, free_port  # noq
 
 COMPAT = "c0ffee" * 4
 
+#: the least-privilege ACL user of docs/fleet.md (``--user`` arguments of redis-server): only
+#: the directory's commands, only its namespace; password ``s3cret``
+FLEET_ACL_USER = (
+    "fleet",
+    "on",
+    ">s3cret",
+    "~ect:*",
+    "+ping",
+    "+info",
+    "+time",
+    "+hrandfield",
+    "+hgetall",
+    "+hget",
+    "+hset",
+    "+hdel",
+    "+hexists",
+    "+zrange",
+    "+zrangebyscore",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+set",
+    "+get",
+    "+del",
+    "+pttl",
+    "+pexpire",
+    "+scan",
+    "+smembers",
+    "+sadd",
+    "+srem",
+    "+scard",
+    "+eval",
+)
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
@@ -30,17 +69,33 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def settings_for(server: RedisServer, **kw: object) -> FleetSettings:
-    base: dict[str, object] = {"url": server.url, "liveness_ttl_s": 1.5,
-                               "lookup_timeout_s": 0.5, "op_timeout_s": 0.5,
-                               "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}
+    base: dict[str, object] = {
+        "url": server.url,
+        "liveness_ttl_s": 1.5,
+        "lookup_timeout_s": 0.5,
+        "op_timeout_s": 0.5,
+        "retry_backoff_s": 0.05,
+        "retry_backoff_max_s": 0.2,
+    }
     base.update(kw)
     return FleetSettings(**base)  # type: ignore[arg-type]
 
 
-def identity(name: str, port: int = 5601, host: str = "10.0.0.1", key: str | None = None,
-             cert: bytes | None = None) -> Identity:
-    return Identity(instance=name, host=host, port=port, public_key=key or new_keypair().public,
-                    compat_hash=COMPAT, cert=cert)
+def identity(
+    name: str,
+    port: int = 5601,
+    host: str = "10.0.0.1",
+    key: str | None = None,
+    cert: bytes | None = None,
+) -> Identity:
+    return Identity(
+        instance=name,
+        host=host,
+        port=port,
+        public_key=key or new_keypair().public,
+        compat_hash=COMPAT,
+        cert=cert,
+    )
 
 
 @pytest.fixture
@@ -54,8 +109,11 @@ def directories() -> Iterator[list[Directory]]:
 
 def holder_dir(made: list[Directory], server: RedisServer, name: str, **kw: object) -> Directory:
     ident = kw.pop("ident", None) or identity(name)
-    d = Directory(settings_for(server, **kw), identity=ident,  # type: ignore[arg-type]
-                  trusted=trust_any).start()
+    d = Directory(
+        settings_for(server, **kw),
+        identity=ident,  # type: ignore[arg-type]
+        trusted=trust_any,
+    ).start()
     made.append(d)
     assert d.wait_live(DEADLINE_S)
     return d
@@ -63,8 +121,11 @@ def holder_dir(made: list[Directory], server: RedisServer, name: str, **kw: obje
 
 def consumer_dir(made: list[Directory], server: RedisServer, **kw: object) -> Directory:
     trusted = kw.pop("trusted", trust_any)
-    d = Directory(settings_for(server, **kw), trusted=trusted,  # type: ignore[arg-type]
-                  compat_hash=COMPAT)
+    d = Directory(
+        settings_for(server, **kw),
+        trusted=trusted,  # type: ignore[arg-type]
+        compat_hash=COMPAT,
+    )
     made.append(d)
     return d
 
@@ -85,9 +146,14 @@ class Proc:
         import threading
 
         self.lines: queue.Queue[str] = queue.Queue()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet._proc", *args],
-                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fleet._proc", *args],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.seen: list[str] = []
         self.name = args[2] if len(args) > 2 else ""
 
@@ -111,8 +177,9 @@ class Proc:
                 err = ""
                 if self.proc.poll() is not None and self.proc.stderr is not None:
                     err = self.proc.stderr.read()[-3000:]
-                raise AssertionError(f"no {prefix!r} line within {timeout_s} s; seen "
-                                     f"{self.seen}; stderr: {err}") from None
+                raise AssertionError(
+                    f"no {prefix!r} line within {timeout_s} s; seen {self.seen}; stderr: {err}"
+                ) from None
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
@@ -134,6 +201,90 @@ class Proc:
                 self.proc.stdin.close()
                 self.proc.wait(DEADLINE_S)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                self.proc.kill()
+                self.proc.wait(DEADLINE_S)
+
+
+#: liveness TTL of the instance processes (``_instance.py``), s
+INSTANCE_TTL_S = 1.5
+
+
+class Instance:
+    """One ``_instance.py`` process: ``ask`` sends a command and returns its one-line answer.
+    ``wrap`` runs it elsewhere (``ip netns exec NS``); ``spec`` adds to its JSON spec (``host``:
+    its bind address)."""
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        trusted: list[str],
+        kp,
+        wrap: list[str] | None = None,
+        **spec: object,
+    ):
+        self.name, self.public = name, kp.public
+        full = {
+            "name": name,
+            "url": url,
+            "secret": kp.secret,
+            "public": kp.public,
+            "trusted": trusted,
+            "liveness_ttl_s": INSTANCE_TTL_S,
+            **spec,
+        }
+        self.proc = subprocess.Popen(
+            [*(wrap or []), sys.executable, "-m", "tests.fleet._instance", json.dumps(full)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.info = self._next("ready")
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+
+    def _next(self, key: str | None = None, timeout_s: float = DEADLINE_S * 3) -> dict:
+        try:
+            got = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            err = self.proc.stderr.read()[-3000:] if self.proc.poll() is not None else ""
+            raise AssertionError(f"{self.name}: no answer within {timeout_s} s; {err}") from None
+        if key is not None:
+            assert key in got, (self.name, got)
+            return got[key]
+        return got
+
+    def send(self, **cmd: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, **cmd: object) -> dict:
+        self.send(**cmd)
+        return self._next()
+
+    def encodes(self) -> int:
+        return int(self.ask(stats=True)["encodes"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(DEADLINE_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(DEADLINE_S)
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(DEADLINE_S)
 

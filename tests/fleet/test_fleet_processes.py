@@ -14,11 +14,6 @@ a ConsumerNode and claims; CURVE on, the tcp plane, loopback) sharing one real r
 
 from __future__ import annotations
 
-import json
-import queue
-import subprocess
-import sys
-import threading
 import time
 
 import msgspec
@@ -28,67 +23,9 @@ from ectransport.fleet import Directory
 from ectransport.fleet.records import HolderRecord, decode, encode
 from tests.conftest import DEADLINE_S, new_keypair, wait_for
 from tests.fleet._instance import LAYOUT, NBYTES
-from tests.fleet.conftest import REPO, settings_for
+from tests.fleet.conftest import INSTANCE_TTL_S, Instance, settings_for
 
-TTL_S = 1.5
-
-
-class Instance:
-    """One ``_instance.py`` process: ``ask`` sends a command and returns its one-line answer."""
-
-    def __init__(self, name: str, url: str, trusted: list[str], kp, **spec: object):
-        self.name, self.public = name, kp.public
-        full = {"name": name, "url": url, "secret": kp.secret, "public": kp.public,
-                "trusted": trusted, "liveness_ttl_s": TTL_S, **spec}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet._instance",
-                                      json.dumps(full)], cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.info = self._next("ready")
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(json.loads(line))
-
-    def _next(self, key: str | None = None, timeout_s: float = DEADLINE_S * 3) -> dict:
-        try:
-            got = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            err = self.proc.stderr.read()[-3000:] if self.proc.poll() is not None else ""
-            raise AssertionError(f"{self.name}: no answer within {timeout_s} s; {err}") from None
-        if key is not None:
-            assert key in got, (self.name, got)
-            return got[key]
-        return got
-
-    def send(self, **cmd: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, **cmd: object) -> dict:
-        self.send(**cmd)
-        return self._next()
-
-    def encodes(self) -> int:
-        return int(self.ask(stats=True)["encodes"])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(DEADLINE_S)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(DEADLINE_S)
+TTL_S = INSTANCE_TTL_S
 
 
 @pytest.fixture
@@ -96,12 +33,15 @@ def fleet(redis_server):
     """``fleet(n, **spec)`` starts n instances trusting each other's keys."""
     made: list[Instance] = []
 
-    def start(n: int, prefix: str = "pd", trusted: list[str] | None = None,
-              **spec: object) -> list[Instance]:
+    def start(
+        n: int, prefix: str = "pd", trusted: list[str] | None = None, **spec: object
+    ) -> list[Instance]:
         kps = [new_keypair() for _ in range(n)]
         keys = [k.public for k in kps] + list(trusted or [])
-        out = [Instance(f"{prefix}-{i}", redis_server.url, keys, kp, **spec)
-               for i, kp in enumerate(kps)]
+        out = [
+            Instance(f"{prefix}-{i}", redis_server.url, keys, kp, **spec)
+            for i, kp in enumerate(kps)
+        ]
         made.extend(out)
         return out
 
@@ -119,7 +59,7 @@ def test_an_item_encoded_once_is_fetched_by_every_other_instance(fleet):
         assert got["how"] == "fetched" and got["from"] == "pd-0" and got["ok"], got
     # ten images, each first needed by a different instance, then by all of them
     for i in range(1, 11):
-        order = insts[i % 4:] + insts[:i % 4]
+        order = insts[i % 4 :] + insts[: i % 4]
         for inst in order:
             got = inst.ask(need=f"img-{i}")
             assert got["ok"] and got["how"] in ("encoded", "fetched"), got
@@ -136,16 +76,17 @@ def test_concurrent_cold_requests_on_four_instances_encode_once(fleet):
     winner = next(a for a in answers if a["how"] == "encoded")
     assert all(a["ok"] for a in answers)
     assert sum(inst.encodes() for inst in insts) == 1
-    assert {a["from"] for a in answers if a["how"] == "fetched"} == \
-        {insts[answers.index(winner)].name}
+    assert {a["from"] for a in answers if a["how"] == "fetched"} == {
+        insts[answers.index(winner)].name
+    }
 
 
-def test_an_evicted_entry_is_withdrawn_and_nobody_is_sent_for_it(fleet, redis_server,
-                                                                 directories):
+def test_an_evicted_entry_is_withdrawn_and_nobody_is_sent_for_it(fleet, redis_server, directories):
     (small, other) = fleet(2, entries=2)  # each producer region holds two entries
     assert small.ask(encode="e-0")["how"] == "encoded"
-    d = Directory(settings_for(redis_server), trusted=lambda k, c: True,
-                  compat_hash=LAYOUT.compat_hash)
+    d = Directory(
+        settings_for(redis_server), trusted=lambda k, c: True, compat_hash=LAYOUT.compat_hash
+    )
     directories.append(d)
     assert wait_for(lambda: [h.instance for h in d.lookup("e-0")["e-0"]] == ["pd-0"])
     small.ask(encode="e-1")
@@ -159,14 +100,16 @@ def test_a_killed_holders_entries_are_not_used_after_its_ttl(fleet, redis_server
     a, b, c = fleet(3)
     assert a.ask(need="x")["how"] == "encoded"
     assert b.ask(encode="x")["how"] == "encoded"  # a second holder
-    d = Directory(settings_for(redis_server), trusted=lambda k, c_: True,
-                  compat_hash=LAYOUT.compat_hash)
+    d = Directory(
+        settings_for(redis_server), trusted=lambda k, c_: True, compat_hash=LAYOUT.compat_hash
+    )
     directories.append(d)
     assert wait_for(lambda: sorted(h.instance for h in d.lookup("x")["x"]) == ["pd-0", "pd-1"])
     a.kill()
     # the dead holder's records lapse with its liveness (TTL, on the Redis server's clock)
-    assert wait_for(lambda: [h.instance for h in d.lookup("x")["x"]] == ["pd-1"],
-                    TTL_S + DEADLINE_S)
+    assert wait_for(
+        lambda: [h.instance for h in d.lookup("x")["x"]] == ["pd-1"], TTL_S + DEADLINE_S
+    )
     got = c.ask(need="x")
     assert got["how"] == "fetched" and got["from"] == "pd-1" and got["tried"] == ["pd-1"], got
     assert got["ok"]
@@ -189,11 +132,13 @@ def test_redis_stopped_killed_and_restarted_mid_run(fleet, redis_server, directo
     got = a.ask(need="r-3")
     assert got["how"] in ("local", "encoded") and got["ok"], got
     # the instances publish everything again (their liveness renewal finds their record gone)
-    d = Directory(settings_for(redis_server), trusted=lambda k, c: True,
-                  compat_hash=LAYOUT.compat_hash)
+    d = Directory(
+        settings_for(redis_server), trusted=lambda k, c: True, compat_hash=LAYOUT.compat_hash
+    )
     directories.append(d)
-    assert wait_for(lambda: [h.instance for h in d.lookup("r-0")["r-0"]] == ["pd-0"],
-                    TTL_S + DEADLINE_S)
+    assert wait_for(
+        lambda: [h.instance for h in d.lookup("r-0")["r-0"]] == ["pd-0"], TTL_S + DEADLINE_S
+    )
     got = b.ask(need="r-0")
     assert got["how"] == "fetched" and got["from"] == "pd-0" and got["ok"], got
 
@@ -203,8 +148,9 @@ def test_a_hostile_directory_causes_only_misses(fleet, redis_server, directories
     honest, victim = fleet(2, trusted=[])
     assert rogue.ask(encode="v-0")["how"] == "encoded"  # its v-0 bytes are not the encoder's
     assert honest.ask(encode="h-0")["how"] == "encoded"
-    d = Directory(settings_for(redis_server), trusted=lambda k, c: True,
-                  compat_hash=LAYOUT.compat_hash)
+    d = Directory(
+        settings_for(redis_server), trusted=lambda k, c: True, compat_hash=LAYOUT.compat_hash
+    )
     directories.append(d)
     assert wait_for(lambda: d.lookup("h-0")["h-0"] != [] and d.lookup("v-0")["v-0"] != [])
     r, k = d.redis, d.keys
@@ -213,8 +159,11 @@ def test_a_hostile_directory_causes_only_misses(fleet, redis_server, directories
     # the honest instance named for items it does not hold, with the wrong size, or under
     # another item's key
     r.hset(k.holders("v-1"), "pd-0", encode(msgspec.structs.replace(genuine, mm_hash="v-1")))
-    r.hset(k.holders("v-2"), "pd-0", encode(msgspec.structs.replace(
-        genuine, mm_hash="v-2", nbytes=NBYTES + 512)))
+    r.hset(
+        k.holders("v-2"),
+        "pd-0",
+        encode(msgspec.structs.replace(genuine, mm_hash="v-2", nbytes=NBYTES + 512)),
+    )
     r.hset(k.holders("v-3"), "pd-0", r.hget(k.holders("h-0"), "pd-0"))
     for mm in ("v-0", "v-1", "v-2", "v-3"):
         got = victim.ask(need=mm)

@@ -12,6 +12,7 @@ from ectransport.fleet import Acquired, Directory, DirectoryAuthError, Unavailab
 from ectransport.fleet.outcomes import DirectoryUnavailable
 from tests.conftest import DEADLINE_S, wait_for
 from tests.fleet.conftest import (
+    FLEET_ACL_USER,
     RedisServer,
     consumer_dir,
     holder_dir,
@@ -32,7 +33,8 @@ def timed(fn):
 
 
 def test_sigstopped_redis_every_call_returns_within_its_deadline_then_recovers(
-        redis_server, directories):
+    redis_server, directories
+):
     p = holder_dir(directories, redis_server, "enc")
     p.publish("a", 10)
     assert p.flush(DEADLINE_S)
@@ -65,7 +67,8 @@ def test_sigstopped_redis_every_call_returns_within_its_deadline_then_recovers(
 
 
 def test_killed_and_restarted_redis_publishing_resumes_and_holdings_are_republished(
-        redis_server, directories):
+    redis_server, directories
+):
     p = holder_dir(directories, redis_server, "enc")
     for m in ("a", "b"):
         p.publish(m, 10)
@@ -80,8 +83,11 @@ def test_killed_and_restarted_redis_publishing_resumes_and_holdings_are_republis
     p.unpublish("b")
     assert not p.flush(0.2)
     redis_server.restart()  # empty: no persistence
-    assert wait_for(lambda: (lambda g: bool(g["a"]) and bool(g["c"]) and not g["b"])(
-        c.lookup_many(["a", "b", "c"])))
+    assert wait_for(
+        lambda: (lambda g: bool(g["a"]) and bool(g["c"]) and not g["b"])(
+            c.lookup_many(["a", "b", "c"])
+        )
+    )
     s = p.stats()
     assert s["resyncs"] >= 2 and s["republished"] >= 2 and s["heartbeat_failures"] >= 1
     assert p.redis.smembers(p.keys.entries("enc", p.incarnation)) == {b"a", b"c"}
@@ -89,12 +95,14 @@ def test_killed_and_restarted_redis_publishing_resumes_and_holdings_are_republis
 
 def test_a_directory_started_before_redis_goes_live_when_it_comes(tmp_path, directories):
     server = RedisServer(tmp_path)  # its port is chosen, nothing listens yet
-    p = Directory(settings_for(server), identity=identity("early"),
-                  trusted=lambda k, c: True).start()
+    p = Directory(
+        settings_for(server), identity=identity("early"), trusted=lambda k, c: True
+    ).start()
     directories.append(p)
     p.publish("x", 10)
-    c = Directory(settings_for(server), trusted=lambda k, c: True,
-                  compat_hash=p.identity.compat_hash)
+    c = Directory(
+        settings_for(server), trusted=lambda k, c: True, compat_hash=p.identity.compat_hash
+    )
     directories.append(c)
     assert c.lookup("x").unavailable is not None
     server.start()
@@ -122,10 +130,7 @@ def test_a_full_publish_queue_is_replaced_by_a_resync(redis_server, directories)
     assert [m for m, hs in got.items() if hs] == [f"q{i}" for i in range(1, 10)]
 
 
-ACL = ("--user", "default", "off", "--user", "fleet", "on", ">s3cret", "~ect:*", "+ping",
-       "+info", "+time", "+hrandfield", "+hgetall", "+hget", "+hset", "+hdel", "+hexists",
-       "+zrange", "+zrangebyscore", "+zadd", "+zrem", "+zscore", "+set", "+get", "+del",
-       "+pttl", "+pexpire", "+scan", "+smembers", "+sadd", "+srem", "+scard", "+eval")
+ACL = ("--user", "default", "off", "--user", *FLEET_ACL_USER)
 
 
 @pytest.fixture
@@ -135,8 +140,9 @@ def acl_server(tmp_path):
     server.stop()
 
 
-def test_acl_user_and_password_work_and_a_wrong_password_is_a_typed_error(acl_server, tmp_path,
-                                                                         directories):
+def test_acl_user_and_password_work_and_a_wrong_password_is_a_typed_error(
+    acl_server, tmp_path, directories
+):
     """The ACL of docs/fleet.md (only the directory's commands, only its namespace) is
     enough for everything; a wrong password is AUTH, never an exception from a lookup."""
     good, bad = tmp_path / "pw", tmp_path / "bad"
@@ -152,6 +158,7 @@ def test_acl_user_and_password_work_and_a_wrong_password_is_a_typed_error(acl_se
     assert wait_for(lambda: p.stats()["heartbeats"] >= 10)  # a GC round ran too
     assert p.stats()["heartbeat_failures"] == 0
     from ectransport.fleet import status
+
     assert [r.instance for r in status.instances(c)] == ["enc"] and status.claims(c)
     wrong = consumer_dir(directories, acl_server, username="fleet", password_file=str(bad))
     got = wrong.lookup("a")
@@ -174,14 +181,20 @@ def make_tls(folder):
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def cert(subject, issuer, key, signer, ca):
-        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]),
-                                critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
+            )
         return b.sign(signer, hashes.SHA256())
 
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
@@ -192,8 +205,9 @@ def make_tls(folder):
     pem = serialization.Encoding.PEM
     (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
     (folder / "server.pem").write_bytes(srv.public_bytes(pem))
-    (folder / "server.key").write_bytes(key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (folder / "server.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return folder
 
 

@@ -151,3 +151,57 @@ def test_no_offers_for_a_consumer_that_does_not_ask_or_speaks_v1(cluster):
         assert _landed(c.fetch(addr, "a", ticket=ticket), x)
         assert c.stats()["offer_reads"] == 0 and c.stats()["offers_held"] == 0
     assert producer.stats()["offers"] == 0
+
+
+def test_an_announcement_naming_a_consumer_is_offered_to_it_alone(closing):
+    """ECTP v2 §10.4 between real nodes: a producer that does not broadcast offers an
+    announcement naming consumer A (by node id) to A's session only; B, connected to the same
+    producer with offers on, is offered nothing and fetches the same ticket with a request."""
+    pk = new_keypair()
+    allowed: set[str] = set()
+    producer = closing(
+        ProducerNode(
+            layout=LAYOUT,
+            security=Security(
+                public_key=pk.public, secret_key=pk.secret, allow=lambda key: key in allowed
+            ),
+            settings=ProducerSettings(
+                region_bytes=32 << 20, inline_max_bytes=0, broadcast_offers=False
+            ),
+            node=NodeSettings(planes=("nixl",), node_id="targeted-p"),
+        ).start()
+    )
+    addr = ProducerAddress("127.0.0.1", producer.port, pk.public)
+    consumers = []
+    for name in ("pd-a", "pd-b"):
+        ck = new_keypair()
+        allowed.add(ck.public)
+        c = closing(
+            ConsumerNode(
+                layout=LAYOUT,
+                security=Security(public_key=ck.public, secret_key=ck.secret),
+                **sections(
+                    ConsumerSettings(region_bytes=16 << 20, inline_max_bytes=0),
+                    NodeSettings(planes=("nixl",), node_id=name),
+                ),
+            )
+        )
+        assert c.connect(addr) == "nixl"
+        consumers.append(c)
+    a, b = consumers
+    x = _entry(7)
+    assert producer.put("t", x)
+    ticket = producer.announce("t", to="pd-a")
+    assert ticket is not None and ticket.hold_id
+    assert _offered(a)
+    before = producer.stats()
+    assert _landed(b.fetch(addr, "t", ticket=ticket), x)  # asked for: B holds no offer
+    assert b.stats()["offer_reads"] == 0 and b.stats()["offers_held"] == 0
+    asked = producer.stats()
+    assert asked["batches"] + asked["grants"] > before["batches"] + before["grants"]
+    assert _landed(a.fetch(addr, "t", ticket=ticket), x)  # read on its offer
+    assert a.stats()["offer_reads"] == 1
+    after = producer.stats()
+    assert after["batches"] == asked["batches"] and after["grants"] == asked["grants"]
+    assert after["offers_targeted"] == 1
+    assert b.stats()["offers_held"] == 0

@@ -273,6 +273,22 @@ def test_a_ticket_with_its_offer_reads_at_once_and_completes_with_xferdone():
     assert isinstance(d, XferDone) and d.grant_id == 77 and d.ok and d.mm_hash == "a"
 
 
+def test_an_offered_entry_is_read_with_no_ticket_and_only_within_its_window():
+    """A fetch with no ticket reads the newest usable offer of its mm_hash (a consumer the
+    producer named in a targeted announcement may have been told nothing else); an item it was
+    not offered, or whose window is too short, is asked for."""
+    c, _ = consumer_ready(now=100.0)
+    c.on_frame(offer(100.0, item("a", 77, 4.0), item("a", 78, 9.0), item("s", 79, 1.2)), 100.0)
+    (pr,) = c.fetch("a", 101.0, 130.0)
+    assert isinstance(pr, PostRead) and pr.plane_grant == b"h78" and c.offer_reads == 1
+    (req,) = frames(c.fetch("b", 101.0, 130.0))  # never offered
+    assert isinstance(req, ReqBatch) and [i.mm_hash for i in req.items] == ["b"]
+    (req,) = frames(c.fetch("s", 101.0, 130.0))  # < MIN_OFFER_LEFT_S of its window left
+    assert isinstance(req, ReqBatch) and c.offer_reads == 1
+    c.poll(109.0)  # every window is over: dropped
+    assert c.offers_held == 0
+
+
 def test_the_window_is_counted_from_the_anchor_and_a_late_read_is_discarded():
     c, _ = consumer_ready(now=100.0, validity_margin_s=0.25)
     c.on_frame(offer(100.0, item("a", 77, 5.0)), 100.0)

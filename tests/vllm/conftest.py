@@ -30,7 +30,8 @@ except ImportError:
     # vLLM-free modules are collected.
     collect_ignore = [f for f in os.listdir(HERE) if f.startswith("test_") and
                       f not in ("test_vllm_available.py", "test_region.py", "test_settings.py",
-                                "test_announcement_schema.py", "test_loads.py")]
+                                "test_announcement_schema.py", "test_loads.py",
+                                "test_fleet_side.py")]
 
 REGION_GLOB = "/dev/shm/ectransport-vllm-*.region"
 

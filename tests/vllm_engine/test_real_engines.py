@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import pytest
-from _engines import HIDDEN, EngineProcess, ec_config
+from _engines import HIDDEN, EngineProcess, _cli, ec_config
+
+from ectransport.trust.files import read_cert
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +30,82 @@ FETCH_TIMEOUT_S = 4.0
 IMAGES = range(8)
 
 
+@dataclass(frozen=True)
+class Trust:
+    ca_dir: str
+    ca: str
+    revocations: str
+    producer_cert: str
+    consumer_cert: str
+
+
 @pytest.fixture(scope="module")
-def engines(keys, model_dir, shm_dir, tmp_path_factory):
+def trust(keys) -> Trust:
+    """A deployment CA and certificates for both key pairs, made with the CLI (as
+    docs/fleet-trust.md tells users to)."""
+    ca = os.path.join(keys.dir, "ca")
+    _cli("keys", "ca", "init", "--dir", ca, "--no-passphrase")
+    certs = {}
+    for name, role in (("encoder-0", "producer"), ("pd-0", "consumer")):
+        certs[role] = os.path.join(keys.dir, f"{name}.cert")
+        _cli(
+            "keys",
+            "issue",
+            "--dir",
+            ca,
+            "--role",
+            role,
+            "--name",
+            name,
+            "--valid-days",
+            "1",
+            "--key",
+            os.path.join(keys.dir, f"{name}.key"),
+            "--out",
+            certs[role],
+        )
+    return Trust(
+        ca,
+        os.path.join(ca, "ca-public.pem"),
+        os.path.join(ca, "revocations.pem"),
+        certs["producer"],
+        certs["consumer"],
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(keys, trust, model_dir, shm_dir, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("engine-logs"))
     started: dict[str, EngineProcess] = {}
     try:
-        started["P"] = EngineProcess("P", model_dir, ec_config(
-            "ec_producer", secret_key_file=keys.producer_secret, allow_dir=keys.allow_dir,
-            shm_dir=shm_dir), logs)
-        started["C"] = EngineProcess("C", model_dir, ec_config(
-            "ec_consumer", secret_key_file=keys.consumer_secret,
-            producer_keys=[keys.producer_public], fetch_timeout_s=FETCH_TIMEOUT_S,
-            shm_dir=shm_dir), logs)
+        started["P"] = EngineProcess(
+            "P",
+            model_dir,
+            ec_config(
+                "ec_producer",
+                secret_key_file=keys.producer_secret,
+                allow_dir=keys.allow_dir,
+                shm_dir=shm_dir,
+            ),
+            logs,
+        )
+        # the consumer admits producers by its allow-list (producer_keys) and presents its
+        # certificate to every producer (cert_file), which one admitting by certificate checks
+        started["C"] = EngineProcess(
+            "C",
+            model_dir,
+            ec_config(
+                "ec_consumer",
+                secret_key_file=keys.consumer_secret,
+                producer_keys=[keys.producer_public],
+                fetch_timeout_s=FETCH_TIMEOUT_S,
+                trust_ca=[trust.ca],
+                cert_file=trust.consumer_cert,
+                revocation_file=[trust.revocations],
+                shm_dir=shm_dir,
+            ),
+            logs,
+        )
         yield started
     finally:
         for e in reversed(list(started.values())):
@@ -117,19 +184,24 @@ def _fake_producer(keys, model_dir, *, model_id=None):
     from ectransport.settings_schema import ProducerSettings
 
     layout = Layout(model_id=model_id or model_dir, dtype="bfloat16", hidden=HIDDEN)
-    return ProducerNode(layout=layout, settings=ProducerSettings(region_bytes=1 << 20),
-                        security=Security.from_files(keys.producer_secret, keys.allow_dir)).start()
+    return ProducerNode(
+        layout=layout,
+        settings=ProducerSettings(region_bytes=1 << 20),
+        security=Security.from_files(keys.producer_secret, keys.allow_dir),
+    ).start()
 
 
 def _point_at(params: dict, node) -> dict:
-    return {h: {**info, "peer_port": node.port, "public_key": node.public_key}
-            for h, info in params.items()}
+    return {
+        h: {**info, "peer_port": node.port, "public_key": node.public_key}
+        for h, info in params.items()
+    }
 
 
 def test_producer_never_ready_falls_back_within_the_deadline(engines, baseline, keys, model_dir):
     c = engines["C"]
     base = base_tokens(engines, baseline, [30])
-    (h, _), = produce(engines, [30])[30].items()
+    ((h, _),) = produce(engines, [30])[30].items()
     node = _fake_producer(keys, model_dir)
     try:
         node.reserve(h, 64 * HIDDEN * 2)  # announced, never committed: NACK_NOT_READY forever
@@ -149,7 +221,7 @@ def test_incompatible_producer_falls_back_at_once(engines, baseline, keys, model
     c = engines["C"]
     base = base_tokens(engines, baseline, [31])
     params = produce(engines, [31])[31]
-    (h, _), = params.items()
+    ((h, _),) = params.items()
     node = _fake_producer(keys, model_dir, model_id="another/model")
     try:
         node.put(h, torch.zeros(64, HIDDEN, dtype=torch.bfloat16))
@@ -163,8 +235,77 @@ def test_incompatible_producer_falls_back_at_once(engines, baseline, keys, model
     assert c.encoded() - before == 1 and o["tokens"] == base[31]
 
 
-def test_model_name_mismatch_is_logged(engines, baseline, keys, model_dir, shm_dir,
-                                       tmp_path_factory):
+def test_a_producer_admitting_by_certificate_serves_the_engine_and_refuses_it_once_revoked(
+    engines, baseline, keys, trust, model_dir
+):
+    """A producer with certificates only (``[trust] admission = "certificate"``, no allow-list)
+    holding the entry the engine producer made: the consumer engine's connector presents its
+    certificate and is admitted by it, its tokens equal its own with local encoding and its
+    encoder does not run. Once its certificate is revoked the same connector gets a miss
+    (``auth``) and encodes locally: tokens equal again, no crash."""
+    from ectransport.node import ConsumerNode, Fetched, Layout, ProducerAddress, Security
+    from ectransport.node.producer import ProducerNode
+    from ectransport.settings_schema import ConsumerSettings, ProducerSettings, TrustSettings
+    from ectransport.trust.verify import inspect_cert
+
+    c = engines["C"]
+    base = base_tokens(engines, baseline, [36, 37])
+    layout = Layout(model_id=model_dir, dtype="bfloat16", hidden=HIDDEN)
+    node = ProducerNode(
+        layout=layout,
+        settings=ProducerSettings(region_bytes=1 << 20),
+        security=Security.from_files(keys.producer_secret),
+        trust=TrustSettings(
+            trust_ca=(trust.ca,),
+            cert_file=trust.producer_cert,
+            revocation_file=(trust.revocations,),
+            admission="certificate",
+            revocation_reload_s=0.1,
+        ),
+    ).start()
+    copier = ConsumerNode(
+        layout=layout,
+        security=Security.from_files(keys.consumer_secret),
+        settings=ConsumerSettings(region_bytes=1 << 20),
+    )
+    try:
+        params = produce(engines, [36, 37])
+        for i in (36, 37):  # the engine producer's bytes, copied to the certificate producer
+            ((h, info),) = params[i].items()
+            got = copier.fetch(
+                ProducerAddress("127.0.0.1", info["peer_port"], info["public_key"]),
+                h,
+                timeout_s=30.0,
+            )
+            assert isinstance(got, Fetched), got
+            assert node.put(h, got.data.reshape(-1, layout.block_bytes).copy())
+            del got
+        before = c.encoded()
+        (o,) = c.generate([{"image": 36, "params": _point_at(params[36], node)}])
+        assert c.encoded() - before == 0, "a fetched item ran the consumer's encoder"
+        assert o["tokens"] == base[36]
+        st = node.stats()
+        assert st["trust_admitted"] == 1 and st["trust_refused"] == 0, st
+        # the consumer's certificate revoked: refused, the engine encodes locally
+        serial = inspect_cert(read_cert(trust.consumer_cert)).serial
+        _cli("keys", "revoke", "--dir", trust.ca_dir, "--serial", str(serial))
+        store = node.trust.admission.policy.store
+        deadline = time.monotonic() + 30
+        while not any(serial in r.serials for r in store.revocations.values()):
+            assert time.monotonic() < deadline, "the producer did not re-read the list"
+            time.sleep(0.05)  # poll interval of a deadline loop (file reload has no event)
+        before = c.encoded()
+        (o,) = c.generate([{"image": 37, "params": _point_at(params[37], node)}])
+        assert c.encoded() - before == 1 and o["tokens"] == base[37]
+        assert node.stats()["trust_refused"] >= 1
+    finally:
+        copier.close()
+        node.close()
+
+
+def test_model_name_mismatch_is_logged(
+    engines, baseline, keys, model_dir, shm_dir, tmp_path_factory
+):
     """Two engines started with different ``--model`` strings for the same weights (a symlink):
     vLLM's mm_hash covers the model name, so the producer's announcement names none of the
     consumer's items. The consumer encodes locally and says why in its log."""
@@ -173,9 +314,17 @@ def test_model_name_mismatch_is_logged(engines, baseline, keys, model_dir, shm_d
     alias = str(tmp_path_factory.mktemp("alias") / "same-weights-other-name")
     os.symlink(model_dir, alias)
     logs = str(tmp_path_factory.mktemp("engine-logs-alias"))
-    p2 = EngineProcess("P2", alias, ec_config(
-        "ec_producer", secret_key_file=keys.producer_secret, allow_dir=keys.allow_dir,
-        shm_dir=shm_dir), logs)
+    p2 = EngineProcess(
+        "P2",
+        alias,
+        ec_config(
+            "ec_producer",
+            secret_key_file=keys.producer_secret,
+            allow_dir=keys.allow_dir,
+            shm_dir=shm_dir,
+        ),
+        logs,
+    )
     try:
         (out,) = p2.generate([{"image": 33, "max_tokens": 1}])
         theirs = out["params"]
