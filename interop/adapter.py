@@ -34,6 +34,8 @@ FEATURES = frozenset({
     "reserve",      # put with ready=false reserves an entry that never becomes ready
     "vectors",      # the vectors op (the golden-vector check of the node's own codec)
     "trust",        # node.trust (fleet trust: CA files, certificate, admission) is honoured
+    "trust_refusal",  # a consumer reports a fleet-trust refusal (a NACK_BAD_REQUEST whose
+                      # detail starts "trust: <reason>: ") as error:AuthError / miss:AUTH
 })
 ROLES = ("producer", "consumer")
 #: Outcome strings: ``ok``; ``miss:<REASON>`` (a fetch that did not land); ``error:<Class>``

@@ -1,6 +1,8 @@
-"""Implementation × implementation cells: every pair of the implementations in the run (this tree,
-earlier releases, the independent C client, ``--impl`` adapters, the library axis), each as
-producer and as consumer, in the case groups both support.
+"""Implementation × implementation cells: every implementation that runs producers against every
+one that runs consumers (this tree, earlier releases, the independent C client in both its
+variants, ``--impl`` adapters), like the QUIC interop runner's all-against-all, in the case
+groups both sides support; each library-axis venv against this tree both ways and against
+itself.
 
 Groups (like the QUIC interop runner's test cases):
 
@@ -14,44 +16,71 @@ Groups (like the QUIC interop runner's test cases):
 * ``auth``: an unknown client key, a wrong server key, a plain consumer against a CURVE
   producer: ``AuthError`` / ``miss:AUTH``, never a downgrade;
 * ``layout``: another row width: ``ProtocolError`` / ``miss:INCOMPATIBLE`` before any grant;
+* ``sizes``: one 8 KiB row, 8 MiB and 64 MiB over each common plane, byte-exact;
+* ``fan-out``: :data:`FAN_OUT` consumer processes of the consumer implementation fetch the same
+  entries from one producer at once;
+* ``restart``: fetch, SIGKILL the producer's process, a typed miss, the producer started again
+  on the same port, and the same consumer recovers;
 * ``trust``: node certificates from a deployment CA (:mod:`interop.trust_cases`).
+
+``sizes``, ``fan-out`` and ``restart`` of this tree with itself are :mod:`interop.matrix`'s groups
+of the same names (more planes, 8 consumers), so the pair (this tree, this tree) is not repeated
+here. Planes: tcp in the reduced matrix; tcp, nixl and ucx with ``--full``, where both sides
+declare the plane.
 
 What each implementation supports is what its adapter declared in ``hello`` (roles, versions,
 planes, features); a pair gets a group only where both sides support it, so every cell has a
 definite expected outcome derived from the versions and planes each speaks. The producer must
-hold no pin at the end of every cell (checked by the harness).
+report its pinned bytes and hold none at the end of every cell (checked by the harness).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from interop.impls import HEAD, Impl
-from interop.matrix import CONSUMER_OPTIONS, E0, E1, E2, E3, C, P, fetches
+from interop.matrix import (
+    CONSUMER_OPTIONS,
+    E0,
+    E1,
+    E2,
+    E3,
+    MISSES_AFTER_KILL,
+    C,
+    P,
+    fetches,
+)
 from interop.spec import Cell, Entry, Expect, NodeSpec, Step, ok
 from interop.trust_cases import trust_cells
 
-GROUPS = ("handshake", "transfer", "batch", "negotiate", "auth", "layout")
+MiB = 1 << 20
+GROUPS = ("handshake", "transfer", "batch", "negotiate", "auth", "layout", "sizes", "fan-out",
+          "restart")
+#: Groups whose (this tree, this tree) cells are :mod:`interop.matrix`'s (module docstring).
+MATRIX_GROUPS = frozenset({"sizes", "fan-out", "restart"})
 #: Groups the library axis runs (a few cells per venv).
 LIB_GROUPS = ("handshake", "transfer", "auth")
 ENTRIES: tuple[Entry, ...] = (E0, E1, E2, E3)
+#: Entries of the ``sizes`` group, rows of 8 KiB (hidden 4096, bf16): 8 KiB, 8 MiB, 64 MiB.
+SIZES: tuple[Entry, ...] = (Entry("e-1row", 1, 1), Entry("e-8MiB", 1024, 8),
+                            Entry("e-64MiB", 8192, 64))
+#: Consumer processes of a ``fan-out`` cell.
+FAN_OUT = 3
 #: Planes a pair is tried over: tcp in the reduced matrix, all of these with ``--full``.
-PLANES_FULL = ("tcp", "nixl")
+PLANES_FULL = ("tcp", "nixl", "ucx")
 
 
 def pairs(impls: list[Impl]) -> list[tuple[Impl, Impl]]:
-    """(producer, consumer) pairs: this tree with itself, and every other implementation with
-    this tree in both directions (where it has the role)."""
-    by = {i.name: i for i in impls}
-    head = by.get(HEAD)
-    if head is None:
-        return []
-    out = [(head, head)]
-    for other in impls:
-        if other is head:
-            continue
-        if "consumer" in other.roles:
-            out.append((head, other))
-        if "producer" in other.roles:
-            out.append((other, head))
+    """(producer, consumer) pairs: every implementation with the producer role × every one with
+    the consumer role, itself included (all against all); a library-axis venv (``axis ==
+    "lib"``: this tree's code with other library versions) only against this tree, both ways,
+    and against itself — against the other implementations it would repeat this tree's cells."""
+    main = [i for i in impls if i.axis != "lib"]
+    out = [(p, c) for p in main if "producer" in p.roles for c in main if "consumer" in c.roles]
+    head = next((i for i in impls if i.name == HEAD), None)
+    for lib in (i for i in impls if i.axis == "lib"):
+        with_it = [(lib, lib)] + ([(head, lib), (lib, head)] if head is not None else [])
+        out += [(p, c) for p, c in with_it if "producer" in p.roles and "consumer" in c.roles]
     return out
 
 
@@ -108,6 +137,11 @@ def pair_cells(pi: Impl, ci: Impl, *, full: bool, groups: tuple[str, ...] = GROU
                 ps, (cs,), ENTRIES,
                 (Step("fetch_many", 0, ",".join(e.mm_hash for e in ENTRIES), ok(plane, v), 15.0),),
                 ci=base and full))
+        if v is not None:
+            own = pi.name == ci.name == HEAD  # those groups are interop.matrix's own
+            cells += _matrix_groups(pi, ci, plane, v,
+                                    tuple(g for g in groups if not own or g not in MATRIX_GROUPS),
+                                    who)
     if "tcp" not in planes:
         return cells
     if "negotiate" in groups:
@@ -122,6 +156,43 @@ def pair_cells(pi: Impl, ci: Impl, *, full: bool, groups: tuple[str, ...] = GROU
             ps, (cs,), (E1,), (Step("connect", 0, "", Expect(("error:ProtocolError",)), 8.0),
                                Step("fetch", 0, E1.mm_hash, Expect(("miss:INCOMPATIBLE",)), 8.0)),
             ci=True))
+    return cells
+
+
+def _matrix_groups(pi: Impl, ci: Impl, plane: str, v: int, groups: tuple[str, ...],
+                   who: str) -> list[Cell]:
+    """``sizes``, ``fan-out`` and ``restart`` of a pair over ``plane`` at version ``v``."""
+    cells = []
+    if "sizes" in groups:
+        big = dict(hidden=4096, region_bytes=80 * MiB)
+        ps, cs = _specs(pi, ci, plane, **{f"p_{k}": x for k, x in big.items()},
+                        p_budget_bytes=80 * MiB, **{f"c_{k}": x for k, x in big.items()})
+        cells.append(Cell(
+            f"sizes: {who} over {plane}", "sizes",
+            f"at v{v} over {plane}: one 8 KiB row, 8 MiB and 64 MiB land byte-exact",
+            ps, (cs,), SIZES, (Step("connect", 0, "", ok(plane, v), 8.0),
+                               *fetches(*SIZES, expect=ok(plane), timeout_s=30.0))))
+    if "fan-out" in groups:
+        ps, cs = _specs(pi, ci, plane)
+        cons = tuple(dataclasses.replace(cs, host=f"c{i + 1}") for i in range(FAN_OUT))
+        cells.append(Cell(
+            f"fan-out: {who}, {FAN_OUT} consumers over {plane}", "fan-out",
+            f"{FAN_OUT} consumer processes of {ci.name} fetch the same entries at once at v{v}; "
+            "every copy verified, no pin left",
+            ps, cons, (E1, E2, E3),
+            tuple(Step("fetch", -1, e.mm_hash, ok(plane), 20.0) for e in (E1, E2, E3))))
+    if "restart" in groups:
+        ps, cs = _specs(pi, ci, plane, p_host="p2")
+        cells.append(Cell(
+            f"restart: {who} over {plane}", "restart",
+            "fetch, SIGKILL the producer's process, fetch (a typed miss), the producer started "
+            f"again on the same port: the same {ci.name} consumer recovers at v{v}",
+            ps, (cs,), (E1, E2),
+            (Step("fetch", 0, E1.mm_hash, ok(plane)),
+             Step("kill_producer", expect=ok()),
+             Step("fetch", 0, E2.mm_hash, Expect(MISSES_AFTER_KILL), 4.0),
+             Step("start_producer", expect=ok()),
+             Step("fetch_until_ok", 0, E2.mm_hash, ok(plane), 30.0))))
     return cells
 
 
@@ -164,8 +235,9 @@ def _auth(pi: Impl, ci: Impl, who: str) -> list[Cell]:
 
 
 def cross_cells(impls: list[Impl], *, full: bool) -> list[Cell]:
-    """Every pair's cells (:func:`pair_cells`); the library axis runs :data:`LIB_GROUPS`;
-    then the fleet-trust cells of the pairs (group ``trust``, :mod:`interop.trust_cases`)."""
+    """Every pair's cells (:func:`pairs`, :func:`pair_cells`) among the implementations whose
+    ``hello`` is known; the library axis runs :data:`LIB_GROUPS`; then the fleet-trust cells of
+    the pairs (group ``trust``, :mod:`interop.trust_cases`)."""
     out: list[Cell] = []
     run = pairs([i for i in impls if i.caps and "ectransport" in i.kinds])
     for pi, ci in run:

@@ -234,10 +234,14 @@ class Checker:
         ok, why = _outcome(self.call("close", id="p"), "ok")
         c("close the producer", ok, why)
 
-    def _wait_unpinned(self, nid: str) -> int | None:
+    def _wait_unpinned(self, nid: str, proc: NodeProc | None = None) -> int | None:
+        """``pinned_bytes`` of node ``nid`` (of the subject, or of ``proc``) once it is 0, or
+        what it still is after 5 s: completions reach a producer after its consumer's answer."""
         deadline = time.monotonic() + 5.0
         while True:
-            pinned = (self.call("stats", id=nid).get("stats") or {}).get("pinned_bytes")
+            st = (self.call("stats", id=nid) if proc is None
+                  else proc.call("stats", 30.0, id=nid)).get("stats") or {}
+            pinned = st.get("pinned_bytes")
             if not pinned or time.monotonic() > deadline:
                 return pinned
             time.sleep(0.1)  # poll interval of a deadline loop (pins drain asynchronously)
@@ -306,8 +310,8 @@ class Checker:
         c("stats of the consumer", self.call("stats", id="c").get("outcome") == "ok")
         ok, why = _outcome(self.call("close", id="c"), "ok")
         c("close the consumer", ok, why)
-        st = (ref.call("stats", 30.0, id="rp").get("stats") or {})
-        c("this tree's producer holds no pin afterwards", st.get("pinned_bytes") == 0, str(st))
+        pinned = self._wait_unpinned("rp", ref)
+        c("this tree's producer holds no pin afterwards", pinned == 0, f"pinned_bytes {pinned}")
 
     def _exit(self) -> None:
         r = self.subject.call("exit", 30.0)

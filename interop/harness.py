@@ -168,21 +168,11 @@ class Harness:
         self.vectors_root = vectors_root or REPO / "protocols" / "vectors"
         self.vllm_reason = ""
         v = impls.get(VLLM)
-        self.with_vllm = with_vllm if with_vllm is not None else \
-            v is not None and self._vllm_usable(v)
+        if with_vllm is None:
+            with_vllm = v is not None and v.prepare()  # builds nothing: checks the venv
+            self.vllm_reason = v.unavailable if v is not None else "not selected (--no-vllm)"
+        self.with_vllm = with_vllm
         self._ids = itertools.count(1)
-
-    def _vllm_usable(self, impl: Impl) -> bool:
-        if impl.unavailable:
-            self.vllm_reason = impl.unavailable
-            return False
-        r = subprocess.run([impl.argv[0], "-c", "import importlib.util as u, sys; "
-                            "sys.exit(0 if u.find_spec('vllm') and u.find_spec('nixl') else 1)"],
-                           capture_output=True, timeout=60)
-        if r.returncode != 0:
-            self.vllm_reason = "vllm or nixl not importable in .venv-vllm"
-            return False
-        return True
 
     def impl_of(self, spec: NodeSpec) -> Impl:
         """The implementation that runs ``spec``: ``spec.adapter``, else by node kind."""
@@ -395,16 +385,21 @@ class Harness:
             self._check_pins(pp, pid, res)
 
     def _check_pins(self, pp: NodeProc, pid: str, res: CellResult) -> None:
-        """The producer holds no pin at the end (5 s to drain)."""
-        st = pp.call("stats", 30.0, id=pid).get("stats", {})
+        """The producer holds no pin at the end (5 s to drain). Its adapter must report
+        ``stats.pinned_bytes`` (ADAPTER.md §3): a producer that does not fails the cell, since
+        a leak it does not report would otherwise pass."""
+        r = pp.call("stats", 30.0, id=pid)
         deadline = time.monotonic() + 5.0
-        while st.get("pinned_bytes", 0) and time.monotonic() < deadline:
+        while _pinned(r) and time.monotonic() < deadline:
             time.sleep(0.1)  # poll interval of a deadline loop (pins drain asynchronously)
-            st = pp.call("stats", 30.0, id=pid).get("stats", {})
-        if not st:
+            r = pp.call("stats", 30.0, id=pid)
+        pinned = _pinned(r)
+        if pinned is None:
+            res.notes.append("DEVIATION the producer reported no pinned_bytes (ADAPTER.md §3 "
+                             f"requires it of a producer): stats answered {str(r)[:200]}")
             return
-        pinned = st.get("pinned_bytes", 0)
-        res.notes.append(f"producer stats: grants={st.get('grants')} pinned_bytes={pinned}")
+        res.notes.append(f"producer stats: grants={r['stats'].get('grants')} "
+                         f"pinned_bytes={pinned}")
         if pinned:
             res.notes.append(f"DEVIATION pins leaked: {pinned} bytes")
 
@@ -458,6 +453,16 @@ class Harness:
         if r.get("outcome") == "ok":
             r["bytes_ok"] = entry is not None and _landed_ok(r, entry, bb)
         return r
+
+
+def _pinned(stats_answer: dict[str, Any]) -> int | None:
+    """``stats.pinned_bytes`` of a producer's ``stats`` answer; None when the answer is not
+    ``ok`` or has no such non-negative integer."""
+    st = stats_answer.get("stats")
+    pinned = st.get("pinned_bytes") if isinstance(st, dict) else None
+    ok = stats_answer.get("outcome") == "ok" and isinstance(pinned, int) and \
+        not isinstance(pinned, bool) and pinned >= 0
+    return pinned if ok else None
 
 
 def _landed_ok(item: dict[str, Any], entry: Entry, block_bytes: int) -> bool:

@@ -14,8 +14,13 @@ Built in:
 * ``ectransport@<rev>``: an earlier release, a git revision built into its own venv
   (:func:`interop.venvs.release_venv`) and driven by ``interop/adapters/legacy.py``;
 * ``ectransport-HEAD+<pins>``: this tree with other library versions (:func:`interop.venvs.lib_venv`);
-* ``ectp-c``: the independent C consumer (``interop/clients/c``);
+* ``ectp-c``: the independent C consumer (``interop/clients/c``), and ``ectp-c-v1``: the same
+  binary told to speak ECTP v1 only (``adapter --versions 1``), so that every consumer cell it
+  has also runs on a v1 session;
 * ``NAME=CMD`` from ``--impl``: any adapter command line (split like a shell would).
+
+Every implementation of a run must be available (built, answering ``hello``): one that is not
+fails the run unless it is named with ``--allow-unavailable`` (:func:`unavailable`).
 """
 
 from __future__ import annotations
@@ -37,18 +42,22 @@ REPO = venvs.REPO
 HEAD = "ectransport-HEAD"
 VLLM = "vllm-0.33.0"
 C_CLIENT = "ectp-c"
+C_CLIENT_V1 = "ectp-c-v1"
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 #: The releases of the matrix: the last v1-only commit (``SUPPORTED_VERSIONS = (1,)``) and the
 #: first one that speaks ECTP v2 (found with ``git log -- ectransport/protocol/messages.py``).
 LAST_V1 = "d2f36d8"
 FIRST_V2 = "27e05cf"
-#: The library-version axis: the oldest versions pyproject.toml admits (``pyzmq>=25.1``,
-#: ``msgspec>=0.18``, the ``nixl>=1.0`` extra). The newest are the main environment's
-#: (``pip index versions`` on 2026-12-02: pyzmq 27.3.0, msgspec 0.23.0; nixl 1.5.2 exists but
-#: its nixl-cu13 backend, the one the meta package loads without CUDA, stops at 1.5.1, the
-#: installed one). nixl is a meta package: its backend is pinned with it, or the main
-#: environment's newer backend would be loaded.
+#: The library-version axis: per library pyproject.toml declares (``pyzmq>=25.1``,
+#: ``msgspec>=0.18``, the ``nixl>=1.0`` extra), the oldest version it admits and the newest one
+#: installable from the package index (``pip index versions`` / ``pip download`` on 2026-12-03:
+#: pyzmq 27.3.0, msgspec 0.23.0; nixl 1.5.2 exists but requires nixl-cu12==1.5.2 and
+#: nixl-cu13==1.5.2, which the index does not have, so 1.5.1 is the newest that installs). nixl is
+#: a meta package that loads its nixl-cu13 backend on a machine without CUDA: the backend is
+#: pinned with it. Each set is installed into a venv of its own (:func:`interop.venvs.lib_venv`),
+#: whatever the main environment has, and checked there.
 OLDEST_LIBS = (("pyzmq==25.1.0",), ("msgspec==0.18.0",), ("nixl==1.0.0", "nixl-cu13==1.0.0"))
+NEWEST_LIBS = (("pyzmq==27.3.0",), ("msgspec==0.23.0",), ("nixl==1.5.1", "nixl-cu13==1.5.1"))
 
 
 @dataclass
@@ -70,6 +79,8 @@ class Impl:
         own_vectors: its golden-vector gate uses the vectors it shipped with (an earlier
             release: vetted against the spec of its time); the check against this tree's
             vectors is reported beside it. Otherwise this tree's vectors gate it.
+        pinned_libs: distribution → version its adapter's ``hello.libs`` must report (the
+            library axis: what the venv was built with is what the process loads).
     """
 
     name: str
@@ -85,6 +96,7 @@ class Impl:
     hello_timeout_s: float = 60.0
     own_vectors: bool = False
     frame_kinds: dict[int, frozenset[str]] = field(default_factory=dict)
+    pinned_libs: dict[str, str] = field(default_factory=dict)
 
     def prepare(self) -> bool:
         """Build if needed; False (with :attr:`unavailable` set) when it cannot run here."""
@@ -123,11 +135,17 @@ class Impl:
             except json.JSONDecodeError:
                 continue
             if isinstance(msg, dict) and msg.get("seq") == 1:
-                if msg.get("outcome") == "ok" and msg.get("adapter") == ADAPTER_VERSION:
-                    self.caps = msg
-                    return True
-                self.unavailable = f"hello answered {str(msg)[:200]}"
-                return False
+                if msg.get("outcome") != "ok" or msg.get("adapter") != ADAPTER_VERSION:
+                    self.unavailable = f"hello answered {str(msg)[:200]}"
+                    return False
+                libs = msg.get("libs") or {}
+                wrong = {n: libs.get(n) for n, v in self.pinned_libs.items() if libs.get(n) != v}
+                if wrong:
+                    self.unavailable = (f"its adapter loads {wrong}, the venv was built with "
+                                        f"{self.pinned_libs}")
+                    return False
+                self.caps = msg
+                return True
         self.unavailable = f"no hello answer (exit {r.returncode}): {r.stderr.strip()[-300:]}"
         return False
 
@@ -163,9 +181,15 @@ def vllm() -> Impl:
                 hello_timeout_s=120.0,
                 caps={"roles": ["producer", "consumer"], "versions": [], "planes": ["vllm-nixl"],
                       "features": []})
-    if not VLLM_PY.exists():
-        impl.unavailable = (f"{VLLM_PY.relative_to(REPO)} not found "
-                            "(bash scripts/setup-vllm-venv.sh)")
+
+    def build() -> list[str]:
+        if not VLLM_PY.exists():
+            raise venvs.BuildError(f"{VLLM_PY.relative_to(REPO)} not found "
+                                   "(bash scripts/setup-vllm-venv.sh)")
+        venvs.check_imports(VLLM_PY, ("vllm", "nixl"))
+        return [str(VLLM_PY), "-m", "interop.node"]
+
+    impl.build = build
     return impl
 
 
@@ -198,9 +222,11 @@ def _frame_kinds(root: Path) -> dict[int, frozenset[str]]:
 
 
 def lib(pins: tuple[str, ...], cache: Path) -> Impl:
-    """This tree with ``pins`` installed over the main environment (the library axis)."""
+    """This tree with ``pins`` (``name==version``) installed into a venv of their own over the
+    main environment (the library axis); its adapter must report loading exactly those."""
     impl = Impl(f"{HEAD}+{','.join(pins)}", [], origin=f"venv with {' '.join(pins)}", axis="lib",
-                env={"PYTHONPATH": str(REPO)})
+                env={"PYTHONPATH": str(REPO)},
+                pinned_libs={n: v for n, _, v in (p.partition("==") for p in pins) if v})
 
     def build() -> list[str]:
         return [str(venvs.lib_venv(list(pins), cache)), "-m", "interop.node"]
@@ -209,12 +235,17 @@ def lib(pins: tuple[str, ...], cache: Path) -> Impl:
     return impl
 
 
-def c_client(cache: Path) -> Impl:
-    impl = Impl(C_CLIENT, [], origin="interop/clients/c (C, libzmq + msgpack-c + jansson)",
-                axis="client", env={"ECTP_VECTORS": str(REPO / "protocols" / "vectors")})
+def c_client(cache: Path, *, v1_only: bool = False) -> Impl:
+    """The independent C consumer; ``v1_only``: the same binary speaking ECTP v1 only
+    (``ectp-c-v1``: ``adapter --versions 1``, its ``hello`` says so)."""
+    name, extra = (C_CLIENT_V1, ["--versions", "1"]) if v1_only else (C_CLIENT, [])
+    origin = "interop/clients/c (C, libzmq + msgpack-c + jansson)" + \
+        (", ECTP v1 only" if v1_only else "")
+    impl = Impl(name, [], origin=origin, axis="client",
+                env={"ECTP_VECTORS": str(REPO / "protocols" / "vectors")})
 
     def build() -> list[str]:
-        return [str(venvs.c_client(cache)), "adapter"]
+        return [str(venvs.c_client(cache)), "adapter", *extra]
 
     impl.build = build
     return impl
@@ -230,6 +261,23 @@ def external(spec: str) -> Impl:
     name = name.strip()
     if not sep or not name or not cmd.strip():
         raise ValueError(f"--impl wants NAME=CMD, got {spec!r}")
-    if name in (HEAD, VLLM, C_CLIENT) or name.startswith("ectransport@"):
+    if name in (HEAD, VLLM, C_CLIENT, C_CLIENT_V1) or name.startswith(("ectransport@",
+                                                                      f"{HEAD}+")):
         raise ValueError(f"--impl name {name!r} is reserved")
     return Impl(name, shlex.split(cmd), origin=f"--impl {cmd}", axis="external")
+
+
+def unavailable(chosen: list[Impl], allowed: list[str]) -> list[Impl]:
+    """The implementations of ``chosen`` that cannot run (:attr:`Impl.unavailable`) and are not
+    named in ``allowed`` (``--allow-unavailable``): each of them fails the run.
+
+    Raises:
+        ValueError: a name in ``allowed`` is none of ``chosen`` (a typo would otherwise allow
+            nothing and say nothing).
+    """
+    names = {i.name for i in chosen}
+    unknown = [a for a in allowed if a not in names]
+    if unknown:
+        raise ValueError(f"--allow-unavailable names no implementation of this run: {unknown} "
+                         f"(the run has {sorted(names)})")
+    return [i for i in chosen if i.unavailable and i.name not in allowed]

@@ -46,8 +46,8 @@ def lib_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
-    for name in ("ectransport", "nixl", "pyzmq", "ucxx-cu12", "ucxx", "vllm", "ectransport-shm",
-                 "msgspec"):
+    for name in ("ectransport", "nixl", "nixl-cu13", "nixl-cu12", "pyzmq", "ucxx-cu12", "ucxx",
+                 "vllm", "ectransport-shm", "msgspec"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -82,7 +82,7 @@ class Nodes:
                 "libs": lib_versions(), "pid": os.getpid(), "roles": ["producer", "consumer"],
                 "versions": list(SUPPORTED_VERSIONS), "planes": sorted(discover()),
                 "features": ["announce", "curve", "fetch_many", "plain", "reserve", "trust",
-                             "vectors", "versions"]}
+                             "trust_refusal", "vectors", "versions"]}
 
     # -- start ------------------------------------------------------------------------------
     def start(self, nid: str, desc: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,12 @@ def _cell_json(r: CellResult, mode: str) -> dict[str, Any]:
 
 def _impl_json(i: Any) -> dict[str, Any]:
     caps = i.caps or {}
+    libs = caps.get("libs", {})
     return {"name": i.name, "origin": i.origin, "axis": i.axis, "unavailable": i.unavailable,
             "impl": caps.get("impl"), "roles": caps.get("roles", []),
             "versions": caps.get("versions", []), "planes": caps.get("planes", []),
-            "features": caps.get("features", []), "libs": caps.get("libs", {})}
+            "features": caps.get("features", []), "libs": libs,
+            "pinned_libs": {n: libs.get(n) for n in getattr(i, "pinned_libs", {})}}
 
 
 def _esc(s: str) -> str:
@@ -84,7 +86,10 @@ def write(results: list[CellResult], out_dir: Path, *, mode: str, mode_reason: s
                 lines.append(f"| `{j['name']}` | {_esc(j['origin'])} | unavailable: "
                              f"{_esc(j['unavailable'])[:200]} | | | |")
                 continue
-            lines.append(f"| `{j['name']}` | {_esc(j['origin'])} | {', '.join(j['roles'])} | "
+            what = j["origin"]
+            if j["pinned_libs"]:  # the library axis: what its adapter reported loading
+                what += "; loads " + ", ".join(f"{n} {v}" for n, v in j["pinned_libs"].items())
+            lines.append(f"| `{j['name']}` | {_esc(what)} | {', '.join(j['roles'])} | "
                          f"{', '.join(map(str, j['versions']))} | {', '.join(j['planes'])} | "
                          f"{', '.join(j['features'])} |")
     lines += ["", *markdown(tabs)]

@@ -25,14 +25,17 @@ Pairs where both implementations declare the adapter feature ``trust`` (this tre
 8. cells 1, 2 and 5 on a v1-only session (the consumer configured to ``versions=(1,)``) and on a
    session of the highest common version.
 
-This tree against an implementation without fleet trust (an earlier release behind its shim,
-the C client, an ``--impl`` adapter not declaring ``trust``), which sends no certificate:
+An implementation with fleet trust (this tree) against one without it (an earlier release behind
+its shim, the C client, an ``--impl`` adapter not declaring ``trust``), which sends no
+certificate:
 
-6. our producer with ``either``, the other consumer's key allow-listed: admitted, fetch OK; with
-   ``certificate``: refused, and the other consumer reports the Welcome's NACK_BAD_REQUEST
-   (``ProtocolError`` / ``miss:INTERNAL``, ADAPTER.md §5) whose detail names ``trust:
-   missing:``;
-7. our consumer with ``certificate`` against the other producer (no ``Welcome.cert``):
+6. its producer with ``either``, the other consumer's key allow-listed: admitted, fetch OK;
+   with ``certificate``: refused with the Welcome's NACK_BAD_REQUEST whose detail names
+   ``trust: missing:``. A consumer declaring ``trust_refusal`` recognises that as a fleet-trust
+   refusal (ectp-v1.md §8.1, certificates.md §6) and reports what this tree's consumer reports:
+   ``AuthError`` / ``miss:AUTH``; one that does not (the releases, which predate the rule)
+   reports a refusing Welcome (``ProtocolError`` / ``miss:INTERNAL``, ADAPTER.md §5);
+7. its consumer with ``certificate`` against the other producer (no ``Welcome.cert``):
    ``AuthError`` ``trust: missing:``; with the default ``allow_list`` (and the trust files and
    its certificate configured: it still sends ``Hello.cert``) it works as before.
 
@@ -165,12 +168,19 @@ def both_cells(pi: Impl, ci: Impl, *, full: bool) -> list[Cell]:
 
 
 def older_consumer_cells(pi: Impl, ci: Impl) -> list[Cell]:
-    """Cell 6: our producer × a consumer without fleet trust (no certificate in its Hello)."""
+    """Cell 6: a producer with fleet trust × a consumer without it (no certificate in its
+    Hello); the refusal as the consumer's declared features say it reports one."""
     v = max(set(pi.versions) & set(ci.versions), default=None)
     if v is None or "tcp" not in pi.planes & ci.planes:
         return []
     who = _who(pi, ci)
     cons = (_consumer(ci, "tcp", trust=False),)
+    if ci.has("trust_refusal"):
+        said, outcomes = "reports it as the refusal it is (AuthError / AUTH miss)", \
+            ("error:AuthError", "miss:AUTH")
+    else:
+        said, outcomes = ("reports the Welcome's NACK_BAD_REQUEST (ProtocolError / INTERNAL "
+                          "miss)"), ("error:ProtocolError", "miss:INTERNAL")
     return [
         Cell(f"trust: {who}, producer either, consumer key allow-listed", GROUP,
              "admission 'either': a consumer sending no certificate is admitted by the "
@@ -179,17 +189,15 @@ def older_consumer_cells(pi: Impl, ci: Impl) -> list[Cell]:
              (Step("connect", 0, "", ok("tcp", v), 8.0), *fetches(E1, E2, expect=ok("tcp"))),
              ci=True, certs=BASE_CERTS),
         Cell(f"trust: {who}, producer certificate, consumer sends none", GROUP,
-             "admission 'certificate': refused; a consumer without fleet trust reports the "
-             "Welcome's NACK_BAD_REQUEST (ProtocolError / INTERNAL miss) naming 'trust: "
-             "missing:'; no grant",
-             _producer(pi, "tcp"), cons, (E1,),
-             refused("error:ProtocolError", "miss:INTERNAL", "missing"), ci=True,
+             "admission 'certificate': refused with a Welcome naming 'trust: missing:'; the "
+             f"consumer {said}; no grant",
+             _producer(pi, "tcp"), cons, (E1,), refused(*outcomes, "missing"), ci=True,
              certs=BASE_CERTS),
     ]
 
 
 def older_producer_cells(pi: Impl, ci: Impl) -> list[Cell]:
-    """Cell 7: a producer without fleet trust (no ``Welcome.cert``) × our consumer."""
+    """Cell 7: a producer without fleet trust (no ``Welcome.cert``) × a consumer with it."""
     v = max(set(pi.versions) & set(ci.versions), default=None)
     if v is None or "tcp" not in pi.planes & ci.planes:
         return []
@@ -214,16 +222,16 @@ def older_producer_cells(pi: Impl, ci: Impl) -> list[Cell]:
 
 def trust_cells(pairs: list[tuple[Impl, Impl]], *, full: bool) -> list[Cell]:
     """The ``trust`` cells of the run's (producer, consumer) pairs (module docstring); the
-    library axis has none. Both sides need CURVE (``curve``); a side with fleet trust needs
-    the ``trust`` feature, and a pair where one side lacks it has this tree on the other."""
+    library axis has none. Both sides need CURVE (``curve``); a side configured with fleet
+    trust needs the ``trust`` feature; a pair where neither has it has no trust cell."""
     out: list[Cell] = []
     for pi, ci in pairs:
         if "lib" in (pi.axis, ci.axis) or not (pi.has("curve") and ci.has("curve")):
             continue
         if pi.has("trust") and ci.has("trust"):
             out += both_cells(pi, ci, full=full)
-        elif pi.name == HEAD and pi.has("trust"):
+        elif pi.has("trust"):
             out += older_consumer_cells(pi, ci)
-        elif ci.name == HEAD and ci.has("trust"):
+        elif ci.has("trust"):
             out += older_producer_cells(pi, ci)
     return out

@@ -9,8 +9,9 @@ ignored by git):
   --no-index`` into a venv of the base interpreter that sees the main environment's packages
   (torch, nixl, pyzmq, msgspec are reused, nothing is downloaded); the revision's own ``interop/``
   and ``protocols/`` are kept beside it for its adapter (``interop/adapters/legacy.py``);
-* :func:`lib_venv`: a venv of the same kind with some libraries pinned (``pyzmq==25.1.0``), for
-  the library-version axis; this tree's ``ectransport`` stays the main environment's editable one;
+* :func:`lib_venv`: a venv of the same kind with some libraries pinned (``pyzmq==25.1.0``)
+  installed into it, for the library-version axis (the oldest and the newest versions
+  pyproject.toml admits); this tree's ``ectransport`` stays the main environment's editable one;
 * :func:`c_client`: the independent C consumer (``interop/clients/c``), compiled with ``make``.
 
 Each result carries a stamp (the recipe it was built from); a matching stamp is reused as is, so
@@ -40,11 +41,12 @@ class BuildError(RuntimeError):
     """A build step failed; the message names the step and ends with its output."""
 
 
-def cache_dir(option: str | os.PathLike[str] | None = None) -> Path:
+def cache_dir(option: str | os.PathLike[str] | None = None, *, create: bool = True) -> Path:
     """The cache directory: ``option``, else ``$ECTRANSPORT_INTEROP_CACHE``, else
-    ``<repo>/.venv-interop``; created if missing."""
+    ``<repo>/.venv-interop``; created if missing (unless ``create`` is false)."""
     d = Path(option or os.environ.get(ENV_CACHE) or REPO / ".venv-interop").resolve()
-    d.mkdir(parents=True, exist_ok=True)
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
     return d
 
 
@@ -157,26 +159,77 @@ def _build_release(commit: str, d: Path, cache: Path) -> None:
 
 
 def lib_venv(pins: list[str], cache: Path) -> Path:
-    """Build (or reuse) a venv with ``pins`` (pip requirement strings, e.g. ``pyzmq==25.1.0``)
-    installed over this environment's packages; its python.
+    """Build (or reuse) a venv with ``pins`` (``name==version`` requirement strings, e.g.
+    ``pyzmq==25.1.0``) installed into the venv itself, over this environment's packages; its
+    python.
+
+    The pins are installed with ``--ignore-installed --no-deps``: each lands in the venv even
+    where the main environment has the same version (so the newest versions get a venv of their
+    own too, not the main environment's copy), and nothing else is replaced (their other
+    dependencies, e.g. nixl's torch, are the main environment's). The build then checks, in the
+    venv's interpreter, that each pinned distribution resolves to the venv with exactly that
+    version and that its top-level modules import from there (:data:`_CHECK_PINS`).
 
     Raises:
-        BuildError: pip could not install the pins (e.g. no wheel for this Python).
+        BuildError: a pin is not ``name==version``, pip could not install it (no wheel for this
+            Python, the index unreachable), or the venv resolves another copy or version.
     """
+    exact = {}
+    for p in pins:
+        name, sep, version = p.partition("==")
+        if not sep or not name.strip() or not version.strip():
+            raise BuildError(f"a library pin is name==version, got {p!r}")
+        exact[name.strip()] = version.strip()
     slug = hashlib.sha256(" ".join(sorted(pins)).encode()).hexdigest()[:10]
     d = cache / f"lib-{slug}"
-    recipe = f"{RECIPE_VERSION} lib {' '.join(sorted(pins))} {sys.version.split()[0]}\n"
+    recipe = f"{RECIPE_VERSION} lib-own {' '.join(sorted(pins))} {sys.version.split()[0]}\n"
     with _locked(d):
         if not _stamped(d, recipe):
             py = _make_venv(d / "venv")
             _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
-                  "--only-binary", ":all:", *pins], f"install {' '.join(pins)}")
-            exact = {n: v for n, _, v in (p.partition("==") for p in pins) if v}
-            code = ("import importlib.metadata as m, json, sys; "
-                    f"sys.exit(0 if all(m.version(n) == v for n, v in {exact!r}.items()) else 1)")
-            _run([str(py), "-I", "-c", code], f"check that the venv has {' '.join(pins)}")
+                  "--ignore-installed", "--no-deps", "--only-binary", ":all:", *pins],
+                 f"install {' '.join(pins)}")
+            _run([str(py), "-I", "-c", _CHECK_PINS, str(d / "venv"), repr(exact)],
+                 f"check that the venv loads {' '.join(pins)}")
             (d / ".recipe").write_text(recipe)
     return d / "venv" / "bin" / "python"
+
+
+#: Run in a lib venv: ``argv[1]`` the venv, ``argv[2]`` ``{distribution: version}``. Each
+#: distribution must be found in the venv with that version, and the modules it provides must
+#: resolve there (found, not imported: nixl's import takes seconds of torch).
+_CHECK_PINS = """
+import ast, importlib.metadata as m, importlib.util as u, os, sys
+venv, want = os.path.realpath(sys.argv[1]), ast.literal_eval(sys.argv[2])
+bad = []
+for name, version in want.items():
+    d = m.distribution(name)
+    where = os.path.realpath(str(d.locate_file("")))
+    if d.version != version or not where.startswith(venv):
+        bad.append(f"{name}: {d.version} at {where}")
+        continue
+    tops = {f.parts[0].removesuffix(".py") for f in d.files or ()
+            if f.suffix in (".py", ".so") and f.parts[0] != ".."}
+    for mod in sorted(t for t in tops if t.isidentifier()):
+        spec = u.find_spec(mod)
+        origin = os.path.realpath(spec.origin or "") if spec else ""
+        if spec is None or not origin.startswith(venv):
+            bad.append(f"{name}: module {mod} resolves to {origin or 'nothing'}")
+if bad:
+    sys.exit("not the pinned copies: " + "; ".join(bad))
+"""
+
+
+def check_imports(python: Path, modules: tuple[str, ...]) -> None:
+    """``python`` finds each of ``modules`` (found, not imported).
+
+    Raises:
+        BuildError: one is missing (the message names it).
+    """
+    code = ("import importlib.util as u, sys; "
+            f"miss = [m for m in {list(modules)!r} if u.find_spec(m) is None]; "
+            "sys.exit('not importable: ' + ', '.join(miss) if miss else 0)")
+    _run([str(python), "-c", code], f"find {', '.join(modules)} in {python}")
 
 
 C_SOURCES = REPO / "interop" / "clients" / "c"

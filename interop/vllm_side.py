@@ -85,6 +85,7 @@ class StockVllmProducer:
         self.session = ProducerSession(transport=self.transport, data=self.data, cache=self.cache,
                                        compat_hash=self.compat_hash)
         self._lock = threading.Lock()
+        self._rows: dict[str, int] = {}  # mm_hash -> rows (blocks) it holds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-producer", daemon=True)
         self._thread.start()
@@ -95,6 +96,7 @@ class StockVllmProducer:
         with self._lock:
             entry = self.cache.alloc(mm_hash, n, (n, rows.shape[1]))
             assert entry is not None, "vLLM region full"
+            self._rows[mm_hash] = n
             for i, b in enumerate(entry.block_ids):
                 bb = self.region.block_bytes
                 self.region.buf[b * bb:(b + 1) * bb] = rows[i]
@@ -108,6 +110,15 @@ class StockVllmProducer:
     def pinned(self, mm_hash: str) -> int:
         e = self.cache.get(mm_hash)
         return 0 if e is None else max(0, e._pin_count)
+
+    def stats(self) -> dict[str, int]:
+        """``pinned_bytes``: the bytes of the entries vLLM's cache holds pinned for a consumer
+        now (vLLM's session keeps no such count: read from its cache's pin counts), and
+        ``entries``."""
+        with self._lock:
+            pinned = sum(n * self.region.block_bytes for h, n in self._rows.items()
+                         if self.pinned(h))
+            return {"pinned_bytes": pinned, "entries": len(self._rows)}
 
     def _run(self) -> None:
         while not self._stop.is_set():

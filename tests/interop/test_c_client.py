@@ -142,3 +142,102 @@ def test_the_c_client_refuses_a_tcp_grant_of_another_type(c_client):
     short = msgspec.msgpack.encode({"type": "tcp/1", "host": "h", "port": 1, "token": b"x" * 15,
                                     "nbytes": 1, "runs_bytes": 1, "node": ""}).hex()
     assert _run(c_client, "tcp-decode", "grant", short).returncode == 1
+
+
+def _adapter(client: Path, *args: str, lines: list[dict]) -> list[dict]:
+    stdin = "".join(json.dumps(x) + "\n" for x in (*lines, {"op": "exit", "seq": 999}))
+    r = subprocess.run([str(client), "adapter", *args], input=stdin, capture_output=True,
+                       text=True, timeout=60)
+    return [json.loads(x) for x in r.stdout.splitlines()]
+
+
+def test_the_v1_variant_speaks_v1_only(c_client):
+    node = {"role": "consumer", "planes": ["tcp"], "curve": False, "model": "m",
+            "dtype": "bfloat16", "hidden": 8, "region_bytes": 1 << 20, "mem_kind": "DRAM"}
+    hello, v2, default, _ = _adapter(c_client, "--versions", "1", lines=[
+        {"op": "hello", "seq": 1},
+        {"op": "start", "seq": 2, "id": "a", "node": {**node, "versions": [2]}},
+        {"op": "start", "seq": 3, "id": "b", "node": {**node, "versions": None}}])
+    assert hello["versions"] == [1] and "versions" in hello["features"]
+    assert v2["outcome"] == "refused:Unsupported"  # asked for a version it does not speak
+    assert default["outcome"] == "ok"
+    assert _adapter(c_client, lines=[{"op": "hello", "seq": 1}])[0]["versions"] == [1, 2]
+    bad = subprocess.run([str(c_client), "adapter", "--versions", "3"], capture_output=True,
+                         text=True, timeout=30, input="")
+    assert bad.returncode == 2 and "--versions takes" in bad.stderr
+
+
+def _cross_cell(tmp_path: Path, producer, consumer, cell):
+    from interop.harness import Harness
+
+    h = Harness(sorted(set(cell.hosts())), mode="loopback", out_dir=tmp_path,
+                impls={producer.name: producer, consumer.name: consumer}, with_vllm=False)
+    try:
+        return h.run_cell(cell)
+    finally:
+        h.close()
+
+
+def _c_impl(client: Path, *args: str):
+    from interop.impls import C_CLIENT, Impl
+
+    impl = Impl(C_CLIENT, [str(client), "adapter", *args], axis="client",
+                env={"ECTP_VECTORS": str(VECTORS)})
+    assert impl.probe(), impl.unavailable
+    return impl
+
+
+@pytest.mark.slow
+def test_a_fleet_trust_refusal_is_an_authentication_failure(c_client, tmp_path):
+    """Our producer with admission 'certificate' refuses the C client (it sends no certificate)
+    with a Welcome naming 'trust: missing:': the C client reports it as this tree's consumer
+    does, AuthError / AUTH (ectp-v1.md §8.1 step 3), and the producer issued no grant."""
+    from interop import impls
+    from interop.trust_cases import older_consumer_cells
+
+    head, c = impls.head(), _c_impl(c_client)
+    assert head.probe(), head.unavailable
+    assert c.has("trust_refusal")
+    cell = next(x for x in older_consumer_cells(head, c) if "consumer sends none" in x.name)
+    res = _cross_cell(tmp_path, head, c, cell)
+    assert res.passed, res.deviations
+    connect, fetch = (next(s.observed for s in res.steps if s.step.op == op)
+                      for op in ("connect", "fetch"))
+    assert connect.outcome == "error:AuthError" and "trust: missing: " in connect.detail
+    assert fetch.outcome == "miss:AUTH"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_batch_from_the_first_v2_release_completes_every_grant(c_client, tmp_path):
+    """The first v2 release takes no DoneBatch (its Welcome lists no 'dones'): the C client
+    completes a batch's grants with one XferDone each, so no pin is left (ectp-v2.md §4.4)."""
+    from interop import cases, impls, venvs
+
+    try:
+        venvs.resolve_revision(impls.FIRST_V2)
+    except venvs.BuildError:
+        pytest.skip(f"revision {impls.FIRST_V2} is not in this clone (a shallow checkout?)")
+    rel, c = impls.release(impls.FIRST_V2, venvs.cache_dir()), _c_impl(c_client)
+    assert rel.probe(), rel.unavailable
+    cell = next(x for x in cases.pair_cells(rel, c, full=True, groups=("batch",))
+                if x.name.endswith("over tcp"))
+    assert cell.steps[0].expect.version == 2
+    res = _cross_cell(tmp_path, rel, c, cell)
+    assert res.passed, res.deviations
+
+
+@pytest.mark.slow
+def test_the_c_client_recovers_from_a_producer_restart(c_client, tmp_path):
+    """A producer SIGKILLed and started again on its port has forgotten the session: the C
+    client sees its connection drop, misses typed while the producer is down, and negotiates a
+    new session (Hello first) with the new process (ectp-v1.md §2)."""
+    from interop import cases, impls
+
+    head, c = impls.head(), _c_impl(c_client)
+    assert head.probe(), head.unavailable
+    cell = cases.pair_cells(head, c, full=False, groups=("restart",))[0]
+    assert cell.name == f"restart: {impls.HEAD} -> {impls.C_CLIENT} over tcp"
+    res = _cross_cell(tmp_path, head, c, cell)
+    assert res.passed, res.deviations
+    assert res.steps[-1].observed.outcome == "ok"  # fetch_until_ok after the restart

@@ -27,7 +27,8 @@ def _impl(name, versions=(1, 2), roles=("producer", "consumer"), planes=("tcp", 
 
 HEAD_I = _impl(HEAD, axis="head")
 RELEASE = _impl(REL, versions=(1,), features=FEATS, axis="release")
-C_CLIENT = _impl(CC, roles=("consumer",), planes=("tcp",), features=FEATS, axis="client")
+C_CLIENT = _impl(CC, roles=("consumer",), planes=("tcp",), features=(*FEATS, "trust_refusal"),
+                 axis="client")
 
 
 def _cells(full: bool, impls=(HEAD_I, RELEASE, C_CLIENT)) -> dict[str, Cell]:
@@ -151,8 +152,12 @@ def test_an_implementation_without_fleet_trust_meets_our_nodes_configured_with_i
         assert either.consumers[0].trust is None and either.producer.allow == ("consumer",)
         assert either.steps[0].expect.version == (1 if other == REL else 2)
         refused = cells[f"trust: {HEAD} -> {other}, producer certificate, consumer sends none"]
-        assert _outcomes(refused) == [("connect", ("error:ProtocolError",), "trust: missing: "),
-                                      ("fetch", ("miss:INTERNAL",), None),
+        # a consumer of the current spec (trust_refusal: the C client) reports a trust refusal
+        # as this tree's consumer does; a release predating the rule, a refusing Welcome
+        connect, miss = ("error:AuthError", "miss:AUTH") if other == CC else \
+            ("error:ProtocolError", "miss:INTERNAL")
+        assert _outcomes(refused) == [("connect", (connect,), "trust: missing: "),
+                                      ("fetch", (miss,), None),
                                       ("no_grants", ("ok",), None)]
     old = cells[f"trust: {REL} -> {HEAD}, consumer certificate, producer sends none"]
     assert _outcomes(old)[0] == ("connect", ("error:AuthError",), "trust: missing: ")
@@ -160,6 +165,9 @@ def test_an_implementation_without_fleet_trust_meets_our_nodes_configured_with_i
     assert works.consumers[0].trust.admission == "allow_list"
     assert works.consumers[0].trust.cert == "consumer" and works.steps[0].expect.version == 1
     assert not [n for n in cells if n.startswith(f"trust: {CC} ->")]  # a consumer only
+    # neither side has fleet trust: no trust cell (nothing to check between them)
+    assert not [n for n in cells if n.startswith(f"trust: {REL} -> {REL}")
+                or n.startswith(f"trust: {REL} -> {CC}")]
 
 
 def test_no_trust_cells_for_the_library_axis_or_without_curve():

@@ -1,7 +1,8 @@
 /* ectp-client main: the adapter protocol (interop/ADAPTER.md, version 1) on stdin/stdout, and
  * the golden-vector check.
  *
- *   ectp-client adapter                       JSON lines (a consumer node; no producer role)
+ *   ectp-client adapter [--versions 1[,2]]    JSON lines (a consumer node; no producer role),
+ *                                             speaking only the ECTP versions listed
  *   ectp-client vectors DIR [VERSION...]      check DIR/v<N>/index.json, one line per vector
  *   ectp-client compat MODEL DTYPE HIDDEN     print the compatibility hash
  *   ectp-client tcp-decode WHAT HEX           decode a tcp plane structure (frames: with length)
@@ -169,13 +170,17 @@ static json_t *handle(json_t *cmd) {
     int ma, mi, pa;
     zmq_version(&ma, &mi, &pa);
     snprintf(zv, sizeof zv, "%d.%d.%d", ma, mi, pa);
-    if (!strcmp(op, "hello"))
-        return json_pack("{s:s,s:i,s:{s:s,s:s},s:{s:s,s:s,s:s},s:[s],s:[i,i],s:[s],s:[s,s,s,s,s]}",
+    if (!strcmp(op, "hello")) {
+        json_t *vs = json_array();
+        for (int v = 1; v <= 2; v++)
+            if (ectp_version_mask >> v & 1) json_array_append_new(vs, json_integer(v));
+        return json_pack("{s:s,s:i,s:{s:s,s:s},s:{s:s,s:s,s:s},s:[s],s:o,s:[s],s:[s,s,s,s,s,s]}",
                          "outcome", "ok", "adapter", 1, "impl", "name", "ectp-c", "version", "0.1",
                          "libs", "libzmq", zv, "msgpack-c", msgpack_version(),
-                         "jansson", JANSSON_VERSION, "roles", "consumer", "versions", 1, 2,
-                         "planes", "tcp", "features", "curve", "fetch_many", "plain", "vectors",
-                         "versions");
+                         "jansson", JANSSON_VERSION, "roles", "consumer", "versions", vs,
+                         "planes", "tcp", "features", "curve", "fetch_many", "plain",
+                         "trust_refusal", "vectors", "versions");
+    }
     if (!strcmp(op, "vectors")) {
         json_t *vs = json_object_get(cmd, "versions");
         const char *root = json_string_value(json_object_get(cmd, "root"));
@@ -281,9 +286,31 @@ static int adapter(void) {
     return 0;
 }
 
+/* "1", "2" or "1,2" -> the bits of those versions; 0 for anything else */
+static int version_mask(const char *arg) {
+    int mask = 0;
+    for (const char *c = arg; *c; c++) {
+        if (*c == '1' || *c == '2') mask |= 1 << (*c - '0');
+        else if (*c != ',') return 0;
+    }
+    return mask;
+}
+
 int main(int argc, char **argv) {
     if (sodium_init() < 0) return 2;
-    if (argc >= 2 && !strcmp(argv[1], "adapter")) return adapter();
+    if (argc >= 2 && !strcmp(argv[1], "adapter")) {
+        if (argc == 4 && !strcmp(argv[2], "--versions")) {
+            ectp_version_mask = version_mask(argv[3]);
+            if (!ectp_version_mask) {
+                fprintf(stderr, "--versions takes 1, 2 or 1,2, got %s\n", argv[3]);
+                return 2;
+            }
+        } else if (argc != 2) {
+            fprintf(stderr, "usage: %s adapter [--versions 1[,2]]\n", argv[0]);
+            return 2;
+        }
+        return adapter();
+    }
     if (argc >= 3 && !strcmp(argv[1], "vectors")) {
         json_t *vs = json_array();
         for (int i = 3; i < argc; i++) json_array_append_new(vs, json_integer(atoi(argv[i])));
@@ -326,7 +353,7 @@ int main(int argc, char **argv) {
         printf("%s\n", h);
         return 0;
     }
-    fprintf(stderr, "usage: %s adapter | vectors DIR [VERSION...] | compat MODEL DTYPE HIDDEN | "
+    fprintf(stderr, "usage: %s adapter [--versions 1[,2]] | vectors DIR [VERSION...] | compat MODEL DTYPE HIDDEN | "
                     "tcp-decode endpoint|grant|request|reply HEX\n", argv[0]);
     return 2;
 }

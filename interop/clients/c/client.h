@@ -16,6 +16,8 @@
 typedef struct {
     char key[300], host[256], sid[33], fail_outcome[64], fail_miss[32], fail_detail[512];
     int port, version, failed, closed;
+    int dones; /* the Welcome's features list "dones": completions may go as one DoneBatch */
+    void *mon; /* the socket monitor's PAIR: a DISCONNECTED there ends the session (peer down) */
     void *sock;
     char ep_host[256], ep_node[257], ep_addr[INET6_ADDRSTRLEN];
     int ep_port;
@@ -36,5 +38,6 @@ const char *jstr(json_t *o, const char *k, const char *dflt);
 int send_frame(session_t *s, const char *kind, json_t *fields);
 int recv_frame(node_t *n, session_t *s, double deadline, const char **kind, json_t **out);
 session_t *session(node_t *n, json_t *p, double deadline);
+void session_close(session_t *s);
 
 #endif

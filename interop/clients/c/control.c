@@ -98,6 +98,14 @@ const char *jstr(json_t *o, const char *k, const char *dflt) {
     return s ? s : dflt;
 }
 
+int ectp_version_mask = (1 << 1) | (1 << 2);
+
+int is_trust_refusal(const char *detail) {
+    if (strncmp(detail, "trust: ", 7)) return 0;
+    size_t n = strspn(detail + 7, "abcdefghijklmnopqrstuvwxyz_");
+    return n >= 1 && n <= 32 && !strncmp(detail + 7 + n, ": ", 2);
+}
+
 node_t *node_new(json_t *d, char *err, size_t errlen) {
     node_t *n = calloc(1, sizeof *n);
     json_t *planes = json_object_get(d, "planes"), *vs = json_object_get(d, "versions"), *v;
@@ -118,11 +126,13 @@ node_t *node_new(json_t *d, char *err, size_t errlen) {
     if (json_is_array(vs) && json_array_size(vs)) {
         json_array_foreach(vs, i, v) {
             long long x = json_integer_value(v);
-            if ((x == 1 || x == 2) && n->nversions < 8) n->versions[n->nversions++] = (int)x;
+            if ((x == 1 || x == 2) && (ectp_version_mask >> x & 1) && n->nversions < 8)
+                n->versions[n->nversions++] = (int)x;
         }
-        if (!n->nversions) { snprintf(err, errlen, "refused:ConfigError|speaks ECTP 1 and 2 only"); goto bad; }
+        if (!n->nversions) { snprintf(err, errlen, "refused:Unsupported|none of these ECTP versions is spoken here"); goto bad; }
     } else {
-        n->versions[0] = 1, n->versions[1] = 2, n->nversions = 2;
+        for (int x = 1; x <= 2; x++)
+            if (ectp_version_mask >> x & 1) n->versions[n->nversions++] = x;
     }
     if (n->curve) {
         const char *pub = jstr(d, "public_key", ""), *sec = jstr(d, "secret_key", "");
@@ -140,9 +150,18 @@ bad:
     return NULL;
 }
 
+void session_close(session_t *s) {
+    if (s->mon) {
+        zmq_socket_monitor(s->sock, NULL, 0);
+        zmq_close(s->mon);
+        s->mon = NULL;
+    }
+    if (s->sock) zmq_close(s->sock);
+    s->sock = NULL;
+}
+
 void node_free(node_t *n) {
-    for (int i = 0; i < n->nsessions; i++)
-        if (n->sessions[i].sock) zmq_close(n->sessions[i].sock);
+    for (int i = 0; i < n->nsessions; i++) session_close(&n->sessions[i]);
     zmq_ctx_term(n->ctx);
     free(n);
 }
@@ -166,13 +185,46 @@ int send_frame(session_t *s, const char *kind, json_t *fields) {
     return rc < 0 ? -1 : 0;
 }
 
-/* the next single-part frame until deadline, decoded with this session's acceptable versions */
+static void session_fail(session_t *s, const char *outcome, const char *miss, const char *detail);
+
+/* the next event of a socket monitor (0 when none could be read): its number and value */
+static uint16_t monitor_event(void *mon, uint32_t *val) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, mon, ZMQ_DONTWAIT) < 0) { zmq_msg_close(&m); return 0; }
+    uint16_t ev = 0;
+    *val = 0;
+    if (zmq_msg_size(&m) >= 6) {
+        memcpy(&ev, zmq_msg_data(&m), 2);
+        memcpy(val, (char *)zmq_msg_data(&m) + 2, 4);
+    }
+    while (zmq_msg_more(&m)) { zmq_msg_close(&m); zmq_msg_init(&m); zmq_msg_recv(&m, mon, 0); }
+    zmq_msg_close(&m);
+    return ev;
+}
+
+/* A negotiated session whose control connection dropped has ended: the producer forgot it (a
+ * restarted one never knew it), so the next fetch negotiates a new one (ectp-v1.md 2). Reads
+ * the monitor's queued events; 1 when the session failed. */
+static int peer_gone(session_t *s) {
+    uint32_t val;
+    uint16_t ev;
+    while (s->mon && !s->failed && (ev = monitor_event(s->mon, &val)) != 0)
+        if (ev == ZMQ_EVENT_DISCONNECTED)
+            session_fail(s, "error:ECTransportError", "PEER_DOWN", "the producer went away (connection dropped)");
+    return s->failed;
+}
+
+/* the next single-part frame until deadline, decoded with this session's acceptable versions;
+ * a Nack ending the session for fleet trust (ectp-v1.md 8.2) fails it (AUTH) and returns -1 */
 int recv_frame(node_t *n, session_t *s, double deadline, const char **kind, json_t **out) {
     for (;;) {
+        if (peer_gone(s)) return -1;
         double left = deadline - now_s();
         if (left <= 0) return -1;
-        zmq_pollitem_t it = {s->sock, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, (long)(left * 1000) + 1) <= 0) continue;
+        zmq_pollitem_t it[2] = {{s->sock, 0, ZMQ_POLLIN, 0}, {s->mon, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(it, s->mon ? 2 : 1, (long)(left * 1000) + 1) <= 0) continue;
+        if (!(it[0].revents & ZMQ_POLLIN)) continue; /* a monitor event: read at the top */
         zmq_msg_t m;
         zmq_msg_init(&m);
         if (zmq_msg_recv(&m, s->sock, ZMQ_DONTWAIT) < 0) { zmq_msg_close(&m); continue; }
@@ -189,6 +241,12 @@ int recv_frame(node_t *n, session_t *s, double deadline, const char **kind, json
             zmq_msg_recv(&m, s->sock, 0);
             more = zmq_msg_more(&m);
             zmq_msg_close(&m);
+        }
+        if (st == ST_OK && !strcmp(*kind, "nack") && is_trust_refusal(jstr(*out, "detail", ""))) {
+            session_fail(s, "error:AuthError", "AUTH", jstr(*out, "detail", ""));
+            json_decref(*out);
+            *out = NULL;
+            return -1;
         }
         if (st == ST_OK) return 0;
         log_msg("dropped a bad frame from the producer: %s%s", err, ""); /* consumers never answer */
@@ -210,17 +268,9 @@ static int handshake(node_t *n, session_t *s, void *mon, double deadline) {
     while (now_s() < end) {
         zmq_pollitem_t it = {mon, 0, ZMQ_POLLIN, 0};
         if (zmq_poll(&it, 1, (long)((end - now_s()) * 1000) + 1) <= 0) continue;
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, mon, 0) < 0) { zmq_msg_close(&m); continue; }
-        uint16_t ev = 0;
         uint32_t val = 0;
-        if (zmq_msg_size(&m) >= 6) {
-            memcpy(&ev, zmq_msg_data(&m), 2);
-            memcpy(&val, (char *)zmq_msg_data(&m) + 2, 4);
-        }
-        while (zmq_msg_more(&m)) { zmq_msg_close(&m); zmq_msg_init(&m); zmq_msg_recv(&m, mon, 0); }
-        zmq_msg_close(&m);
+        uint16_t ev = monitor_event(mon, &val);
+        if (!ev) continue;
         char why[128];
         switch (ev) {
         case ZMQ_EVENT_CONNECTED: tcp = 1; break;
@@ -286,6 +336,10 @@ static void welcome(node_t *n, session_t *s, json_t *w, const char *server_key) 
         session_fail(s, same ? "error:NoCommonPlane" : "error:ProtocolError", "INCOMPATIBLE", detail);
         return;
     }
+    if (st == ST_BAD_REQUEST && is_trust_refusal(detail)) { /* fleet trust refused us */
+        session_fail(s, "error:AuthError", "AUTH", detail);
+        return;
+    }
     if (st != ST_OK) { session_fail(s, "error:ProtocolError", "INTERNAL", detail); return; }
     int v = (int)json_integer_value(json_object_get(w, "version")), ok = 0;
     for (int i = 0; i < n->nversions; i++) ok |= n->versions[i] == v;
@@ -312,6 +366,10 @@ static void welcome(node_t *n, session_t *s, json_t *w, const char *server_key) 
     json_decref(e);
     if (err[0]) { session_fail(s, "error:ProtocolError", "INCOMPATIBLE", err); return; }
     s->version = v;
+    size_t fi;
+    json_t *fv;
+    json_array_foreach(json_object_get(w, "features"), fi, fv)
+        s->dones |= json_is_string(fv) && !strcmp(json_string_value(fv), "dones");
 }
 
 session_t *session(node_t *n, json_t *p, double deadline) {
@@ -322,9 +380,9 @@ session_t *session(node_t *n, json_t *p, double deadline) {
     snprintf(skey, sizeof skey, "%s:%d", host, port);
     for (int i = 0; i < n->nsessions; i++) {
         session_t *s = &n->sessions[i];
-        if (!strcmp(s->key, skey) && !s->failed) return s;
+        if (!strcmp(s->key, skey) && !peer_gone(s)) return s;
         if (!strcmp(s->key, skey)) { /* a failed session is retried with a fresh one */
-            zmq_close(s->sock);
+            session_close(s);
             n->sessions[i] = n->sessions[--n->nsessions];
             break;
         }
@@ -360,10 +418,12 @@ session_t *session(node_t *n, json_t *p, double deadline) {
     zmq_connect(mon, mon_ep);
     snprintf(ep, sizeof ep, strchr(host, ':') ? "tcp://[%s]:%d" : "tcp://%s:%d", host, port);
     zmq_connect(s->sock, ep);
-    int up = handshake(n, s, mon, deadline) == 0;
-    zmq_socket_monitor(s->sock, NULL, 0);
-    zmq_close(mon);
-    if (!up) return s;
+    if (handshake(n, s, mon, deadline) != 0) {
+        zmq_socket_monitor(s->sock, NULL, 0);
+        zmq_close(mon);
+        return s;
+    }
+    s->mon = mon; /* kept: a DISCONNECTED from here on ends the session (peer_gone) */
     json_t *vs = json_array();
     for (int i = 0; i < n->nversions; i++) json_array_append_new(vs, json_integer(n->versions[i]));
     int top = n->versions[n->nversions - 1];

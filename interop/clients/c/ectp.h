@@ -43,6 +43,14 @@ void to_hex(const unsigned char *b, size_t n, char *out); /* out: 2n+1 chars */
 
 /* client.c */
 typedef struct node node_t;
+/* The ECTP versions this process may speak, bit v set for version v (default 1 and 2;
+ * `adapter --versions 1` narrows it): hello reports them, a node speaks their intersection
+ * with its description's `versions`. */
+extern int ectp_version_mask;
+/* 1 when a NACK_BAD_REQUEST detail is a fleet-trust refusal, "trust: <reason>: <text>" with
+ * <reason> of [a-z_]{1,32} (certificates.md section 6, ectp-v1.md 8.1): an authentication
+ * failure, reported as error:AuthError / miss:AUTH. */
+int is_trust_refusal(const char *detail);
 node_t *node_new(json_t *desc, char *err, size_t errlen);
 void node_free(node_t *n);
 json_t *node_connect(node_t *n, json_t *producer, double timeout_s);

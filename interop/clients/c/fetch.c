@@ -176,7 +176,8 @@ static json_t *take(node_t *n, session_t *s, json_t *grant, json_t *data, double
 static void send_dones(node_t *n, session_t *s, json_t *dones) {
     (void)n;
     size_t k = json_array_size(dones);
-    if (k == 1 || (k && s->version < 2)) { /* XferDone, one per grant */
+    if (k == 1 || (k && (s->version < 2 || !s->dones))) { /* XferDone, one per grant: v1, or a
+        producer whose Welcome does not list "dones" (ectp-v2.md 4.4) */
         size_t i;
         json_t *d;
         json_array_foreach(dones, i, d) {
@@ -218,7 +219,10 @@ static void fetch_v1(node_t *n, session_t *s, item_t *it, double deadline, json_
                 !strcmp(jstr(f, "session_id", ""), s->sid)) ack = f;
             else json_decref(f); /* Nack or unsolicited: logged by nobody, answered never */
         }
-        if (!ack) { it->result = miss("TIMEOUT", "no XferAck in time"); return; }
+        if (!ack) {
+            it->result = s->failed ? miss(s->fail_miss, s->fail_detail) : miss("TIMEOUT", "no XferAck in time");
+            return;
+        }
         int st = (int)json_integer_value(json_object_get(ack, "status")), ok;
         if (st == ST_OK) {
             json_t *g = json_object_get(ack, "grant");
@@ -261,6 +265,11 @@ static void batch_round(node_t *n, session_t *s, item_t *its, int k, double dead
         const char *kind;
         json_t *m;
         if (recv_frame(n, s, due, &kind, &m)) {
+            if (s->failed) { /* a session-ending Nack: every open item misses with its reason */
+                for (int i = 0; i < k; i++)
+                    if (!its[i].result) its[i].result = miss(s->fail_miss, s->fail_detail);
+                return;
+            }
             for (int i = 0; i < k; i++)
                 if (!its[i].result && !its[i].answered && its[i].due <= now_s()) {
                     its[i].result = miss("TIMEOUT", its[i].parked ? "parked item not answered in time"
@@ -321,6 +330,7 @@ json_t *node_fetch(node_t *n, json_t *p, json_t *hashes, double timeout_s, int m
             its[i].result = miss(s ? s->fail_miss : "INTERNAL", s ? s->fail_detail : "too many producers");
     } else if (s->version < 2) {
         for (int i = 0; i < k; i++) {
+            if (s->failed) { its[i].result = miss(s->fail_miss, s->fail_detail); continue; }
             fetch_v1(n, s, &its[i], deadline, dones);
             send_dones(n, s, dones); /* before any later request (ectp-v2.md 4.4) */
         }
