@@ -27,10 +27,12 @@ from ectransport.settings_schema import ConsumerSettings, NodeSettings
 
 class EctPath:
     def __init__(self, name: str, plane: str, curve: bool, ect: dict, consumer_secret: str,
-                 sizes: list[int], max_k: dict[int, int], versions: tuple[int, ...] | None = None):
+                 sizes: list[int], max_k: dict[int, int], versions: tuple[int, ...] | None = None,
+                 offers: bool = False):
         """``ect``: what the server's ``open kind=ect`` answered (port, public_key);
         ``versions``: the ECTP versions the consumer speaks (None: the build's; ``(1,)``: the v1
-        path)."""
+        path); ``offers``: take the producer's offers (a fetch then reads an offered entry
+        with no request: :class:`AnnouncedPath`); off, every fetch measures the request path."""
         from ectransport.node.common import Layout, Security
         from ectransport.node.consumer import ConsumerNode, ProducerAddress
 
@@ -44,7 +46,8 @@ class EctPath:
                 NodeSettings(planes=(plane,), versions=versions)
             self.node = ConsumerNode(
                 layout=Layout(hidden=HIDDEN), security=sec, node=node,
-                settings=ConsumerSettings(region_bytes=need * BLOCK + BLOCK, fetch_timeout_s=60.0))
+                settings=ConsumerSettings(region_bytes=need * BLOCK + BLOCK, fetch_timeout_s=60.0,
+                                          offers=offers))
         self.node.connect(self.addr, timeout_s=30.0)
         self.transport = self.node.plane_transports().get(plane, plane)
         self.rtts: list[float] = []
@@ -121,7 +124,7 @@ class AnnouncedPath(EctPath):
     no request (``ect-<plane>-announced``)."""
 
     def __init__(self, name: str, plane: str, curve: bool, ect: dict, *args, **kw):
-        super().__init__(name, plane, curve, ect, *args, **kw)
+        super().__init__(name, plane, curve, ect, *args, offers=True, **kw)
         from ectransport.protocol import Ticket
 
         self.tickets = {mm: Ticket(producer=p, hold_id=h, mm_hash=mm)

@@ -65,7 +65,14 @@ from common import (
     rows_of,
     stats,
 )
-from fetchpaths import AnnouncedPath, EctPath, Memcpy, RawNixl, Safetensors, open_raw
+from fetchpaths import (
+    AnnouncedPath,
+    EctPath,
+    Memcpy,
+    RawNixl,
+    Safetensors,
+    open_raw,
+)
 from phases import Phase, Server, interleaved, throughput
 from scope import run_scope
 from vllm_p2p import run_vllm_p2p

@@ -360,6 +360,16 @@ def batch_targets(res: dict) -> list[dict]:
     return out + announced_targets(res)
 
 
+def _builds_section() -> list[str]:
+    """``## Builds before/after``: ``benchmarks/builds.py``'s interleaved full runs of several
+    revisions, from ``benchmarks/BUILDS.md``."""
+    notes = Path(__file__).resolve().parent / "BUILDS.md"
+    if not notes.exists():
+        return []
+    return ["## Builds before/after (full runs of each revision, interleaved)", "",
+            notes.read_text().strip(), ""]
+
+
 def _v2_section(res: dict) -> list[str]:
     """``## ECTP v2 (issue 16)``: the v1 path vs the default path, and batches."""
     cols, rows = v2_rows(res)
@@ -900,6 +910,7 @@ def markdown(res: dict, png: Path | None, json_path: Path | None) -> str:
                             fmt_t(v["max"]), str(v["n"])]
                            for size, paths in solo.items() for p, v in paths.items()]), ""]
     out += _v2_section(res)
+    out += _builds_section()
     out += _vllm_section(res)
     out += _scope_section(res)
     out += _ttft_section()

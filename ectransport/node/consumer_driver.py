@@ -36,7 +36,7 @@ from ectransport.errors import (
 from ectransport.node.common import Layout
 from ectransport.node.driver import Observers, Parts
 from ectransport.node.executor import Executor, Feedback, feed
-from ectransport.node.fetch_session import BatchFetch, FetchSession, SizedFetch
+from ectransport.node.fetch_session import FetchSession, batching, sized
 from ectransport.node.inbox import (
     Connect,
     InboxItem,
@@ -343,11 +343,13 @@ class ConsumerDriver:
                     it.mm_hash, MissReason.INTERNAL, f"cannot connect: {e}"), now)
             return
         tickets: dict[str, Ticket] = {it.mm_hash: it.ticket for it in new if it.ticket}
-        if len(new) == 1 and new[0].nbytes is not None and isinstance(s, SizedFetch):
-            self._run(s, s.fetch_sized(new[0].mm_hash, new[0].nbytes, now, deadline), now)
-        elif isinstance(s, BatchFetch):
-            self._run(s, s.fetch_many([it.mm_hash for it in new], now, deadline,
-                                      tickets=tickets or None), now)
+        one_sized = sized(s) if len(new) == 1 and new[0].nbytes is not None else None
+        many = batching(s)
+        if one_sized is not None and new[0].nbytes is not None:
+            self._run(s, one_sized.fetch_sized(new[0].mm_hash, new[0].nbytes, now, deadline), now)
+        elif many is not None:
+            self._run(s, many.fetch_many([it.mm_hash for it in new], now, deadline,
+                                         tickets=tickets or None), now)
         else:
             for it in new:
                 self._run(s, s.fetch(it.mm_hash, now, deadline), now)

@@ -10,7 +10,7 @@ Every method takes ``now`` (the driver's clock) and returns commands
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from ectransport.protocol import Ticket
 from ectransport.session import Command, FetchState, Miss
@@ -79,3 +79,27 @@ class BatchFetch(Protocol):
 
     def fetch_many(self, mm_hashes: list[str], now: float, deadline: float, *,
                    tickets: Mapping[str, Ticket] | None = None) -> list[Command]: ...
+
+
+_CAPABLE: dict[tuple[type, type], bool] = {}
+
+
+def _capable(session: object, proto: type) -> bool:
+    """``isinstance(session, proto)`` for a runtime-checkable Protocol, decided once per class:
+    such a check walks the Protocol's members every time (about 15 µs in Python 3.11, on every
+    fetch), while what a session class implements never changes."""
+    key = (type(session), proto)
+    hit = _CAPABLE.get(key)
+    if hit is None:
+        hit = _CAPABLE[key] = isinstance(session, proto)
+    return hit
+
+
+def sized(session: FetchSession) -> SizedFetch | None:
+    """``session`` as a :class:`SizedFetch`, or None if it is not one."""
+    return cast(SizedFetch, session) if _capable(session, SizedFetch) else None
+
+
+def batching(session: FetchSession) -> BatchFetch | None:
+    """``session`` as a :class:`BatchFetch`, or None if it is not one."""
+    return cast(BatchFetch, session) if _capable(session, BatchFetch) else None

@@ -1,7 +1,7 @@
-"""Who drives a fetch: a lone ``ConsumerNode.fetch`` runs the loop on the calling thread; anything
-else goes through the node's I/O thread. Real producer process, CURVE, NIXL (as in
-``test_two_process_fetch``); these tests fail if the caller-driven path is not taken, if it blocks
-other callers, or if ``close()`` cannot stop it.
+"""Who drives a fetch: the node's I/O thread alone, whoever calls (the ownership rule of
+``node/io_loop.py``). Real producer process, CURVE, NIXL (as in ``test_two_process_fetch``);
+these tests fail if a caller drives the node itself, if one fetch waiting on a dead producer
+holds up another, or if ``close()`` cannot stop a fetch a caller waits for.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_fetch_is_not_held_up_by_another_fetch_waiting_on_a_dead_producer(produc
         node.close()
 
 
-def test_close_stops_a_fetch_driven_by_its_caller(keys, silent_listener, producer):  # noqa: F811 - fixtures
+def test_close_ends_a_fetch_its_caller_waits_for(keys, silent_listener, producer):  # noqa: F811 - fixtures
     node = _consumer(keys)
     dead = ProducerAddress("127.0.0.1", silent_listener, producer.public_key)
     box: dict = {}
@@ -167,7 +167,7 @@ def test_close_stops_a_fetch_driven_by_its_caller(keys, silent_listener, produce
 
     t = threading.Thread(target=call)
     t.start()
-    # the caller is driving its fetch (no answer will ever come)
+    # the caller waits for its fetch (no answer will ever come)
     assert wait_for(lambda: node.stats()["in_flight"] == 1), node.stats()
     node.close()
     t.join(timeout=30.0)  # well before the fetch's own 60 s deadline
