@@ -37,13 +37,9 @@ def redis(tmp_path):
 
 
 def settings(url: str, **kw: object) -> Settings:
+    kw.setdefault("fleet_claim_wait_s", 20.0)
     return Settings(
-        insecure=True,
-        fleet_url=url,
-        fleet_liveness_ttl_s=1.5,
-        fleet_lookup_timeout_s=0.5,
-        fleet_claim_wait_s=20.0,
-        **kw,
+        insecure=True, fleet_url=url, fleet_liveness_ttl_s=1.5, fleet_lookup_timeout_s=0.5, **kw
     )
 
 
@@ -140,8 +136,11 @@ def test_the_fleet_metrics_count_hits_misses_claims_and_lookup_latency(redis):
         assert wait_for(lambda: mine.stats()["claims_lost"] >= 1, 10.0)
         other.publish("waited-" + tag, NBYTES, claim=waited)  # the claimant's entry is ready
         assert _decided(side, "waited-" + tag, 3.0) is Verdict.FETCH
-        assert other.claim("lapsing-" + tag, ttl_s=0.3)  # a claimant that dies
+        # a claimant that dies: its claim is renewed for claim_wait_s (0.6 s), then lapses
+        dying = directory(settings(redis.url, fleet_claim_wait_s=0.6), "metrics-c")
+        assert dying.claim("lapsing-" + tag, ttl_s=0.3)
         assert _decided(side, "lapsing-" + tag, 4.0) is Verdict.ENCODE
+        dying.close()
 
         def sample(name: str, **labels: str) -> float:
             v = m.registry.get_sample_value(name, labels)
