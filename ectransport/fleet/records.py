@@ -1,4 +1,4 @@
-"""The directory's records: msgspec Structs encoded with msgpack (never pickle), versioned.
+"""The directory's records: msgspec Structs as msgpack (plain data, no Python objects), versioned.
 
 Every record carries ``v`` (:data:`RECORD_VERSION`), a required field. Decoding is two-phase, as
 for ECTP frames: first only ``v`` (an envelope), then the body; a record that is not msgpack, is

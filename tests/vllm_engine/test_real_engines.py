@@ -23,6 +23,7 @@ import pytest
 from _engines import HIDDEN, EngineProcess, _cli, ec_config
 
 from ectransport.trust.files import read_cert
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -290,10 +291,9 @@ def test_a_producer_admitting_by_certificate_serves_the_engine_and_refuses_it_on
         serial = inspect_cert(read_cert(trust.consumer_cert)).serial
         _cli("keys", "revoke", "--dir", trust.ca_dir, "--serial", str(serial))
         store = node.trust.admission.policy.store
-        deadline = time.monotonic() + 30
-        while not any(serial in r.serials for r in store.revocations.values()):
-            assert time.monotonic() < deadline, "the producer did not re-read the list"
-            time.sleep(0.05)  # poll interval of a deadline loop (file reload has no event)
+        assert wait_for(
+            lambda: any(serial in r.serials for r in store.revocations.values()), 30.0
+        ), "the producer did not re-read the list"
         before = c.encoded()
         (o,) = c.generate([{"image": 37, "params": _point_at(params[37], node)}])
         assert c.encoded() - before == 1 and o["tokens"] == base[37]
@@ -336,10 +336,9 @@ def test_model_name_mismatch_is_logged(
     finally:
         p2.close()
     assert c.encoded() - before == 1 and o["tokens"] == base[33]
-    deadline = time.monotonic() + 5
-    while "identical --model" not in c.log_text() and time.monotonic() < deadline:
-        time.sleep(0.1)  # poll interval of a deadline loop (the engine's log file has no event)
-    assert "identical --model" in c.log_text(), "no log line for params matching no item"
+    assert wait_for(lambda: "identical --model" in c.log_text(), 5.0), (
+        "no log line for params matching no item"
+    )
 
 
 def test_producer_killed_mid_run(engines, baseline, shm_dir):
