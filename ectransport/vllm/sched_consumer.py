@@ -22,9 +22,12 @@ Per feature of a waiting request (``ensure_cache_available``), in order:
 
 Every fetch ends by its deadline (``fetch_timeout_s``) in landed or miss, so no request waits
 forever; a miss of any kind (missing, dead, incompatible, busy, timeout...) makes the feature
-compute locally. A feature that must compute locally but carries no media (an orchestrator
-replaced it by a reference to the remote encoding) cannot: its request is reported by
-``take_unavailable_requests`` and vLLM fails it, instead of the encoder failing the engine.
+compute locally — except a transient one (no ack, connection dropped: :data:`TRANSIENT`), after
+which the same producer is asked again within the deadline once its quarantine is over (a
+stalled or briefly overloaded host costs a wait, not an encode). A feature that must compute
+locally but carries no media (an orchestrator replaced it by a reference to the remote
+encoding) cannot: its request is reported by ``take_unavailable_requests`` and vLLM fails it,
+instead of the encoder failing the engine.
 
 A landed entry stays pinned in the shared region until every request that wanted it was
 scheduled or finished and every load of it was reported by all ranks (the scheduler's
@@ -42,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ectransport.node import Miss, MissReason
 from ectransport.node.common import Layout, Security
 from ectransport.node.consumer import ConsumerNode, Held, ProducerAddress
 from ectransport.vllm.announcement import (
@@ -59,6 +63,16 @@ from ectransport.vllm.trust import ProducerKeys
 log = logging.getLogger("ectransport.vllm.consumer")
 
 _GRACE_S = 5.0  # the node resolves every fetch by its deadline; this only guards against a bug
+#: Misses that say the producer was there but did not answer in time or dropped the connection
+#: (an overloaded or briefly stalled host): the fetch asks the same producer again while its
+#: ``fetch_timeout_s`` lasts — at most :data:`MAX_RETRIES` times, each once the producer's
+#: quarantine is over — instead of encoding at once
+TRANSIENT = frozenset({MissReason.TIMEOUT, MissReason.PEER_DOWN})
+MAX_RETRIES = 3
+#: pause before asking again, and between asks while the producer is still quarantined, s
+RETRY_PAUSE_S = 0.25
+#: a retry needs this much of the deadline left at least, s
+RETRY_MIN_LEFT_S = 0.5
 #: items of vLLM's encoder cache tracked at most (oldest forgotten first: looked up again)
 MAX_TRACKED = 1 << 16
 
@@ -74,6 +88,9 @@ class _Fetch:
     fast: bool = False  # expected to land at once (an offer, or inline): admit waits for it
     holders: tuple[Any, ...] = ()  # fleet holders still to try after this one misses
     fleet: bool = False  # fetched from a fleet holder (no ec_transfer_params)
+    addr: ProducerAddress | None = None  # the producer asked (again on a transient miss)
+    retries: int = 0  # asked again after a transient miss (TRANSIENT), at most MAX_RETRIES
+    retry_at: float | None = None  # future is None until then: a retry waits for its turn
 
 
 @dataclass
@@ -250,7 +267,7 @@ class ConsumerSide:
         fast = ticket is not None or nbytes <= self.node.settings.inline_max_bytes
         self._fetches[mm_hash] = _Fetch(future, nbytes,
                                         now + self.settings.fetch_timeout_s + _GRACE_S, {rid},
-                                        started=now, fast=fast)
+                                        started=now, fast=fast, addr=addr)
         log.debug("EC consumer: fetching %s (%d bytes) from %s", mm_hash, nbytes, addr.key)
         return True
 
@@ -263,11 +280,14 @@ class ConsumerSide:
 
     def _settle(self, mm_hash: str, f: _Fetch, now: float) -> bool:
         """Resolve a finished fetch (True) or leave it in flight (False)."""
-        if not f.future.done():
+        if f.future is None and not self._ask_again(mm_hash, f, now):
+            return False  # a retry waiting for its turn
+        if f.future is None or not f.future.done():
             if now < f.give_up:
                 return False
             del self._fetches[mm_hash]
-            f.future.add_done_callback(self._release_late)
+            if f.future is not None:
+                f.future.add_done_callback(self._release_late)
             self._fall_back(f.waiters, mm_hash, "miss:no_outcome")
             log.error("EC consumer: fetch of %s has no outcome past its deadline", mm_hash)
             return True
@@ -292,11 +312,41 @@ class ConsumerSide:
                 self._fleet_fetch(f.waiters, mm_hash, f.nbytes, f.holders, now,
                                   give_up=f.give_up)
                 return False
+            if self._retry(mm_hash, f, out, now):
+                return False
             self._fall_back(f.waiters, mm_hash, f"miss:{out.reason.value}")
             log.info("EC consumer: fetch of %s missed (%s: %s); computing locally", mm_hash,
                      out.reason.value, out.detail)
         if f.fleet and self.fleet is not None:
             self.fleet.fetched(mm_hash, isinstance(out, Held))
+        return True
+
+    def _retry(self, mm_hash: str, f: _Fetch, miss: Miss, now: float) -> bool:
+        """After a miss of the fetch ``f``: ask the same producer again later (True) if the miss
+        was transient (:data:`TRANSIENT`; or QUARANTINED while a retry waits for the quarantine
+        that miss started), retries are left and so is enough of the deadline."""
+        transient = miss.reason in TRANSIENT and f.retries < MAX_RETRIES
+        waiting = miss.reason is MissReason.QUARANTINED and f.retries > 0
+        if f.addr is None or not (transient or waiting) or \
+                f.give_up - _GRACE_S - now < RETRY_PAUSE_S + RETRY_MIN_LEFT_S:
+            return False
+        if transient:
+            f.retries += 1
+            log.info("EC consumer: fetch of %s missed (%s: %s); asking the producer again "
+                     "(%.1f s of its deadline left)", mm_hash, miss.reason.value, miss.detail,
+                     f.give_up - _GRACE_S - now)
+        f.future, f.retry_at = None, now + RETRY_PAUSE_S
+        self._fetches[mm_hash] = f
+        return True
+
+    def _ask_again(self, mm_hash: str, f: _Fetch, now: float) -> bool:
+        """A retry whose turn came is submitted (True); one still waiting is left (False)."""
+        assert f.addr is not None and f.retry_at is not None
+        if now < f.retry_at:
+            return False
+        left = f.give_up - _GRACE_S - now
+        f.future = self.node.submit_held(f.addr, mm_hash, timeout_s=max(left, 0.0))
+        f.retry_at = None
         return True
 
     def _from_fleet(self, rid: str, mm_hash: str, feature: Any, now: float) -> bool:
@@ -312,6 +362,8 @@ class ConsumerSide:
         if d.verdict is Verdict.FETCH:
             self._fleet_fetch({rid}, mm_hash, nbytes, d.holders, now)
             return True
+        log.debug("EC consumer: %s computes here (fleet: %s%s)", mm_hash, d.verdict.value,
+                  f": {d.detail}" if d.detail else "")
         self._fall_back({rid}, mm_hash, f"fleet:{d.verdict.value}")
         return False
 
@@ -324,10 +376,11 @@ class ConsumerSide:
         if give_up is None:
             give_up = now + self.settings.fetch_timeout_s + _GRACE_S
         left = give_up - _GRACE_S - now  # > 0: _settle tries the next holder only before it
-        future = self.node.submit_held(ProducerAddress(h.host, h.port, h.public_key), mm_hash,
+        addr = ProducerAddress(h.host, h.port, h.public_key)
+        future = self.node.submit_held(addr, mm_hash,
                                        timeout_s=min(self.settings.fetch_timeout_s, left))
         self._fetches[mm_hash] = _Fetch(future, nbytes, give_up, set(waiters), started=now,
-                                        holders=rest, fleet=True)
+                                        holders=rest, fleet=True, addr=addr)
 
     def _release_late(self, future: Any) -> None:
         out = future.result()

@@ -1,6 +1,7 @@
 """A ProducerNode in its own OS process, for the two-process tests.
 
     python -m tests.node._producer_proc --hidden 3584 --item NAME:ROWS:SEED ... [--lease-s S]
+        [--model-id ID]
 
 Keys come from files: ``--key`` (the producer's zcert secret file) and ``--allow-dir`` (allowed
 consumer public certs). Each item is a deterministic bf16 tensor from :func:`make_rows`, stored
@@ -40,6 +41,7 @@ def make_tensor(rows: int, hidden: int, seed: int):
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=3584)
+    ap.add_argument("--model-id", default="", help="the layout's model id (compatibility hash)")
     ap.add_argument("--item", action="append", default=[])
     ap.add_argument("--lease-s", type=float, default=30.0)
     ap.add_argument("--region-bytes", type=int, default=64 << 20)
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
         sec = Security(insecure=True)
     else:
         sec = Security.from_files(args.key, args.allow_dir)
-    layout = Layout(hidden=args.hidden, dtype="bfloat16")
+    layout = Layout(model_id=args.model_id, hidden=args.hidden, dtype="bfloat16")
     node = ProducerNode(
         layout=layout,
         security=sec,

@@ -4,10 +4,12 @@ consumer vLLM instance in this one. The whole directory is skipped when vLLM is 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from _children import child_env
+from _children import REPO, child_env
 
 for _k, _v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"),
                ("VLLM_NO_USAGE_STATS", "1")):
@@ -158,3 +160,37 @@ def wait_for(pred, timeout_s: float, interval_s: float = 0.02) -> bool:
             return bool(pred())
         time.sleep(interval_s)
     return True
+
+
+@contextlib.contextmanager
+def child_producer(keys, items: list[tuple[str, int, int]]):
+    """A plain ProducerNode in its own process (tests/node/_producer_proc.py: the test's producer
+    key and layout) holding ``items`` = ``(mm_hash, rows, seed)``. Yields the process, with
+    ``port`` and ``public_key`` set. It announces nothing, so a consumer asks for each item."""
+    from _engine import HIDDEN
+
+    p = subprocess.Popen([sys.executable, "-m", "tests.node._producer_proc", "--hidden",
+                          str(HIDDEN), "--model-id", "test/vision-model", "--key",
+                          keys.producer_secret, "--allow-dir", keys.allow_dir,
+                          *[f"--item={h}:{rows}:{seed}" for h, rows, seed in items]],
+                         cwd=REPO, env=child_env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(p.stdout.readline())
+        assert ready.get("ready"), ready
+        p.port, p.public_key = ready["port"], ready["public_key"]
+        yield p
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait(timeout=30)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP has taken effect)."""
+    try:
+        return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                   in ("T", "t") for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return False

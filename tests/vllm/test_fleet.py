@@ -12,6 +12,7 @@ a real redis-server, real ZMQ + CURVE + NIXL between the instances.
 - a holder record of an untrusted key is never fetched from;
 - a holder that misses (its entry gone) hands the fetch to the next one; holders that do not
   answer (stopped processes) cost one ``fetch_timeout_s`` in all, then the item is computed;
+  the only holder, stalled (SIGSTOP) once the session is up, is asked again within that deadline;
 - an ``ec_producer`` stops naming a holder that was SIGKILLed once its liveness lapsed;
 - the fleet counters reach vLLM's EC connector stats path (its stats log and ``/metrics``);
 - ``ect_offer_to``: a producer that does not broadcast offers an announcement to the consumer
@@ -33,7 +34,7 @@ import time
 import pytest
 from _children import REPO, child_env
 from _engine import HIDDEN, Engine, digest, encoder_output, make_request
-from conftest import ProducerProcess, model_extra, wait_for
+from conftest import ProducerProcess, child_producer, model_extra, process_stopped, wait_for
 
 pytest.importorskip("redis")
 from tests.fleet.redis_server import RedisServer  # noqa: E402
@@ -306,15 +307,7 @@ def stopped_producers(keys, n: int):
             assert ready.get("ready"), ready
             p.port = ready["port"]
             os.kill(p.pid, signal.SIGSTOP)
-
-            def stopped(pid=p.pid) -> bool:
-                try:
-                    return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1]
-                               .split()[0] in ("T", "t") for t in os.listdir(f"/proc/{pid}/task"))
-                except OSError:
-                    return False
-
-            assert wait_for(stopped, 10.0)
+            assert wait_for(lambda pid=p.pid: process_stopped(pid), 10.0)
         yield [p.port for p in procs]
     finally:
         for p in procs:
@@ -336,6 +329,43 @@ def test_holders_that_never_answer_cost_one_deadline_then_it_is_computed(instanc
     assert [k["port"] for k in calls] == ports[:len(calls)] and calls, calls
     assert_one_deadline(calls, 3.0)
     assert any(k.startswith("miss:") for k in sched(c).consumer.outcomes)
+
+
+def test_a_holder_that_stalls_once_the_session_is_up_is_asked_again(instances, keys):
+    """The only holder of an item stops answering (SIGSTOP) after the consumer's session with it
+    is up: the fetch misses (no ack in ack_timeout_s = 1 s) and, with no other holder, the same
+    holder is asked again within fetch_timeout_s (3 s) once its quarantine is over; it runs
+    again from the first retry on, and the item lands (bit for bit) instead of being encoded."""
+    from tests.node._producer_proc import make_tensor
+
+    a, c = instances["A"], instances["C"]
+    w, z = uid("w"), uid("z")
+    d = sched(a).producer.node.fleet.directory
+    side = sched(c).consumer
+    nbytes = 8 * sched(c).layout.block_bytes
+    with child_producer(keys, [(w, 8, 1), (z, 8, 2)]) as p, \
+            holders_of(d, w, nbytes, [(p.port, 0.0)]), holders_of(d, z, nbytes, [(p.port, 0.0)]):
+        assert run(c, w, 8).source[w] == "loaded"  # the session with the holder is up
+        asks: list[int] = []
+        submit = side.node.submit_held
+
+        def counted(addr, mm_hash, **kw):
+            asks.append(addr.port)
+            if len(asks) == 2:  # the first retry: the holder runs again
+                os.kill(p.pid, signal.SIGCONT)
+            return submit(addr, mm_hash, **kw)
+
+        side.node.submit_held = counted
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: process_stopped(p.pid), 10.0)
+            fin = run(c, z, 8)
+        finally:
+            del side.node.submit_held  # the class's method again
+            os.kill(p.pid, signal.SIGCONT)
+    assert fin.source[z] == "loaded", (asks, side.outcomes)
+    assert digest(fin.embeds[z]) == digest(make_tensor(8, HIDDEN, 2)), "not the holder's bytes"
+    assert len(asks) >= 2 and set(asks) == {p.port}, asks
 
 
 def test_an_encoder_only_instance_stops_naming_a_killed_holder(keys, redis):

@@ -13,12 +13,13 @@ import dataclasses
 import itertools
 import logging
 import os
+import signal
 import time
 
 import pytest
 import torch
 from _engine import HIDDEN, Engine, digest, encoder_output, make_request
-from conftest import model_extra, region_files, wait_for
+from conftest import child_producer, model_extra, process_stopped, region_files, wait_for
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
@@ -364,6 +365,47 @@ def test_ec_both_serves_and_fetches(producer, consumer, keys):
     finally:
         both.shutdown()
     assert not os.path.exists(region)
+
+
+def test_a_producer_that_stalls_once_the_session_is_up_is_asked_again(producer, consumer, keys):
+    """A producer that stops answering for a while after the consumer's session with it is up
+    (SIGSTOP: a stalled, overloaded host): the fetch misses (no ack within ack_timeout_s = 1 s),
+    the producer is quarantined (1 s), and the same producer is asked again while
+    fetch_timeout_s (3 s) lasts. The producer runs again from the consumer's first retry on:
+    the item lands with the producer's bytes, nothing is computed locally."""
+    from tests.node._producer_proc import make_tensor
+
+    a, b = uid("stall-a"), uid("stall-b")
+    side = consumer.sched._scheduler.consumer
+    with child_producer(keys, [(a, 8, 1), (b, 8, 2)]) as p:
+        ann = {"peer_host": "127.0.0.1", "peer_port": p.port, "size_bytes": 8 * 2 * HIDDEN,
+               "shape": [8, HIDDEN], "dtype": "bfloat16", "public_key": p.public_key}
+        assert consume(consumer, [(a, 0, 8)], {a: ann}).source[a] == "loaded"  # session up
+        asks: list[str] = []
+        submit = side.node.submit_held
+
+        def counted(addr, mm_hash, **kw):
+            asks.append(mm_hash)
+            if len(asks) == 2:  # the first retry: the producer runs again
+                os.kill(p.pid, signal.SIGCONT)
+            return submit(addr, mm_hash, **kw)
+
+        before = dict(side.outcomes)
+        side.node.submit_held = counted
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: process_stopped(p.pid), 10.0)
+            fin = consume(consumer, [(b, 0, 8)], {b: ann})
+        finally:
+            del side.node.submit_held  # the class's method again
+            os.kill(p.pid, signal.SIGCONT)
+        assert fin.source[b] == "loaded", (asks, side.outcomes)
+        assert torch.equal(fin.embeds[b].view(torch.int16), make_tensor(8, HIDDEN, 2)
+                           .view(torch.int16)), "not the producer's bytes"
+        assert len(asks) >= 2 and set(asks) == {b}, asks
+        assert {k: n - before.get(k, 0) for k, n in side.outcomes.items()
+                if n != before.get(k, 0)} == {"landed": 1}
+    assert_healthy(consumer, producer)
 
 
 def test_producer_dead_then_region_reclaimed(producer, consumer, producer_extra):
