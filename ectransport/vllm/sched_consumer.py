@@ -45,9 +45,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ectransport.node import Miss, MissReason
 from ectransport.node.common import Layout, Security
 from ectransport.node.consumer import ConsumerNode, Held, ProducerAddress
+from ectransport.settings_schema import PlanesSettings
 from ectransport.vllm.announcement import (
     AnnouncementError,
     is_announced,
@@ -75,6 +78,21 @@ RETRY_PAUSE_S = 0.25
 RETRY_MIN_LEFT_S = 0.5
 #: items of vLLM's encoder cache tracked at most (oldest forgotten first: looked up again)
 MAX_TRACKED = 1 << 16
+
+
+def consumer_planes(settings: Settings) -> PlanesSettings:
+    """The consumer node's plane options: the instance's, with NIXL's progress thread off.
+
+    The consumer's own I/O thread progresses its READs (it polls each one until it completes),
+    so the thread only ever ran while the consumer waited. Measured with three vLLM engines on 2
+    cores (tests/vllm_engine/test_fleet_engines.py): right after a consumer bound a producer's
+    NIXL endpoint on a new connection, that thread spun a whole core for seconds while the
+    producer — with vLLM's worker of the waiting instance busy-polling the other core — got no
+    CPU to answer (6-9 s stalls in 7 of about 15 runs; none in 7 runs without the thread).
+    """
+    planes = settings.common.planes
+    return msgspec.structs.replace(planes, nixl=msgspec.structs.replace(planes.nixl,
+                                                                         prog_thread=False))
 
 
 @dataclass
@@ -125,7 +143,8 @@ class ConsumerSide:
         self.node = ConsumerNode(layout=layout, security=dataclasses.replace(
                                      security, allow=self.keys.listed), region=part,
                                  settings=settings.common.consumer,
-                                 node=settings.node_section(node_id), trust=settings.common.trust)
+                                 node=settings.node_section(node_id), trust=settings.common.trust,
+                                 plane_settings=consumer_planes(settings))
         self._fetches: dict[str, _Fetch] = {}
         self._landed: dict[str, _Landed] = {}
         self._local: set[tuple[str, str]] = set()  # (request_id, mm_hash) computed locally

@@ -408,6 +408,18 @@ def test_a_producer_that_stalls_once_the_session_is_up_is_asked_again(producer, 
     assert_healthy(consumer, producer)
 
 
+def test_the_consumers_nixl_agent_runs_without_a_progress_thread(consumer):
+    """The consumer node's planes are the instance's, with NIXL's progress thread off
+    (``consumer_planes``: its I/O thread progresses its READs); the other options are kept."""
+    from ectransport.vllm.sched_consumer import consumer_planes
+
+    s = consumer.sched._scheduler.settings
+    got = consumer_planes(s)
+    assert got.nixl.prog_thread is False and s.common.planes.nixl.prog_thread is True
+    assert got.nixl.grant_scope == s.common.planes.nixl.grant_scope
+    assert got.tcp == s.common.planes.tcp and got.ucx == s.common.planes.ucx
+
+
 def test_producer_dead_then_region_reclaimed(producer, consumer, producer_extra):
     """Last test: SIGKILL the producer process. The consumer computes locally; the dead
     process's /dev/shm file is reclaimed by the next engine that starts; that engine serves."""
