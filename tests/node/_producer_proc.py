@@ -41,7 +41,8 @@ def make_tensor(rows: int, hidden: int, seed: int):
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=3584)
-    ap.add_argument("--model-id", default="", help="the layout's model id (compatibility hash)")
+    ap.add_argument("--model-id", default=None,
+                    help="the layout's model id (compatibility hash); default: Layout's")
     ap.add_argument("--item", action="append", default=[])
     ap.add_argument("--lease-s", type=float, default=30.0)
     ap.add_argument("--region-bytes", type=int, default=64 << 20)
@@ -57,7 +58,8 @@ def main(argv: list[str]) -> int:
         sec = Security(insecure=True)
     else:
         sec = Security.from_files(args.key, args.allow_dir)
-    layout = Layout(model_id=args.model_id, hidden=args.hidden, dtype="bfloat16")
+    named = {} if args.model_id is None else {"model_id": args.model_id}
+    layout = Layout(hidden=args.hidden, dtype="bfloat16", **named)
     node = ProducerNode(
         layout=layout,
         security=sec,
