@@ -88,7 +88,7 @@ def consumer_planes(settings: Settings) -> PlanesSettings:
     cores (tests/vllm_engine/test_fleet_engines.py): right after a consumer bound a producer's
     NIXL endpoint on a new connection, that thread spun a whole core for seconds while the
     producer — with vLLM's worker of the waiting instance busy-polling the other core — got no
-    CPU to answer (6-9 s stalls in 7 of about 15 runs; none in 7 runs without the thread).
+    CPU to answer (6-9 s stalls in 7 of 20 runs; none in 7 runs without the thread).
     """
     planes = settings.common.planes
     return msgspec.structs.replace(planes, nixl=msgspec.structs.replace(planes.nixl,
