@@ -194,3 +194,27 @@ def process_stopped(pid: int) -> bool:
                    in ("T", "t") for t in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def stalled_until_first_retry(side, pid: int):
+    """Stop process ``pid`` (SIGSTOP, waited for) and resume it (SIGCONT) when the consumer side
+    ``side`` asks for the second time — its first retry. Yields the list of ``(port, mm_hash)``
+    of every ask (``side.node.submit_held`` calls) meanwhile; the process runs again on exit."""
+    asks: list[tuple[int, str]] = []
+    submit = side.node.submit_held
+
+    def counted(addr, mm_hash, **kw):
+        asks.append((addr.port, mm_hash))
+        if len(asks) == 2:
+            os.kill(pid, signal.SIGCONT)
+        return submit(addr, mm_hash, **kw)
+
+    side.node.submit_held = counted
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: process_stopped(pid), 10.0)
+        yield asks
+    finally:
+        del side.node.submit_held  # the class's method again
+        os.kill(pid, signal.SIGCONT)

@@ -24,17 +24,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from _children import REPO, child_env
 from _engine import HIDDEN, Engine, digest, encoder_output, make_request
-from conftest import ProducerProcess, child_producer, model_extra, process_stopped, wait_for
+from conftest import (
+    ProducerProcess,
+    child_producer,
+    model_extra,
+    process_stopped,
+    stalled_until_first_retry,
+    wait_for,
+)
 
 pytest.importorskip("redis")
 from tests.fleet.redis_server import RedisServer  # noqa: E402
@@ -295,26 +298,12 @@ def stopped_producers(keys, n: int):
     """``n`` real ProducerNodes (tests/node/_producer_proc.py, the test's producer key), each in
     its own process, stopped (SIGSTOP) once serving: a connection to one is accepted by the
     kernel and never answered. Yields their ports."""
-    procs = []
-    try:
-        for _ in range(n):
-            p = subprocess.Popen([sys.executable, "-m", "tests.node._producer_proc", "--hidden",
-                                  str(HIDDEN), "--key", keys.producer_secret, "--allow-dir",
-                                  keys.allow_dir], cwd=REPO, env=child_env(),
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            procs.append(p)
-            ready = json.loads(p.stdout.readline())
-            assert ready.get("ready"), ready
-            p.port = ready["port"]
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(child_producer(keys, [])) for _ in range(n)]
+        for p in procs:
             os.kill(p.pid, signal.SIGSTOP)
             assert wait_for(lambda pid=p.pid: process_stopped(pid), 10.0)
         yield [p.port for p in procs]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-            p.wait(timeout=30)
 
 
 def test_holders_that_never_answer_cost_one_deadline_then_it_is_computed(instances, keys):
@@ -346,26 +335,11 @@ def test_a_holder_that_stalls_once_the_session_is_up_is_asked_again(instances, k
     with child_producer(keys, [(w, 8, 1), (z, 8, 2)]) as p, \
             holders_of(d, w, nbytes, [(p.port, 0.0)]), holders_of(d, z, nbytes, [(p.port, 0.0)]):
         assert run(c, w, 8).source[w] == "loaded"  # the session with the holder is up
-        asks: list[int] = []
-        submit = side.node.submit_held
-
-        def counted(addr, mm_hash, **kw):
-            asks.append(addr.port)
-            if len(asks) == 2:  # the first retry: the holder runs again
-                os.kill(p.pid, signal.SIGCONT)
-            return submit(addr, mm_hash, **kw)
-
-        side.node.submit_held = counted
-        os.kill(p.pid, signal.SIGSTOP)
-        try:
-            assert wait_for(lambda: process_stopped(p.pid), 10.0)
+        with stalled_until_first_retry(side, p.pid) as asks:
             fin = run(c, z, 8)
-        finally:
-            del side.node.submit_held  # the class's method again
-            os.kill(p.pid, signal.SIGCONT)
     assert fin.source[z] == "loaded", (asks, side.outcomes)
     assert digest(fin.embeds[z]) == digest(make_tensor(8, HIDDEN, 2)), "not the holder's bytes"
-    assert len(asks) >= 2 and set(asks) == {p.port}, asks
+    assert len(asks) >= 2 and set(asks) == {(p.port, z)}, asks
 
 
 def test_an_encoder_only_instance_stops_naming_a_killed_holder(keys, redis):

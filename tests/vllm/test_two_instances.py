@@ -13,13 +13,12 @@ import dataclasses
 import itertools
 import logging
 import os
-import signal
 import time
 
 import pytest
 import torch
 from _engine import HIDDEN, Engine, digest, encoder_output, make_request
-from conftest import child_producer, model_extra, process_stopped, region_files, wait_for
+from conftest import child_producer, model_extra, region_files, stalled_until_first_retry, wait_for
 
 from ectransport.node.common import Layout, Security
 from ectransport.node.producer import ProducerNode
@@ -381,28 +380,13 @@ def test_a_producer_that_stalls_once_the_session_is_up_is_asked_again(producer, 
         ann = {"peer_host": "127.0.0.1", "peer_port": p.port, "size_bytes": 8 * 2 * HIDDEN,
                "shape": [8, HIDDEN], "dtype": "bfloat16", "public_key": p.public_key}
         assert consume(consumer, [(a, 0, 8)], {a: ann}).source[a] == "loaded"  # session up
-        asks: list[str] = []
-        submit = side.node.submit_held
-
-        def counted(addr, mm_hash, **kw):
-            asks.append(mm_hash)
-            if len(asks) == 2:  # the first retry: the producer runs again
-                os.kill(p.pid, signal.SIGCONT)
-            return submit(addr, mm_hash, **kw)
-
         before = dict(side.outcomes)
-        side.node.submit_held = counted
-        os.kill(p.pid, signal.SIGSTOP)
-        try:
-            assert wait_for(lambda: process_stopped(p.pid), 10.0)
+        with stalled_until_first_retry(side, p.pid) as asks:
             fin = consume(consumer, [(b, 0, 8)], {b: ann})
-        finally:
-            del side.node.submit_held  # the class's method again
-            os.kill(p.pid, signal.SIGCONT)
         assert fin.source[b] == "loaded", (asks, side.outcomes)
         assert torch.equal(fin.embeds[b].view(torch.int16), make_tensor(8, HIDDEN, 2)
                            .view(torch.int16)), "not the producer's bytes"
-        assert len(asks) >= 2 and set(asks) == {b}, asks
+        assert len(asks) >= 2 and set(asks) == {(p.port, b)}, asks
         assert {k: n - before.get(k, 0) for k, n in side.outcomes.items()
                 if n != before.get(k, 0)} == {"landed": 1}
     assert_healthy(consumer, producer)
