@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--size", default="8.8MiB", choices=list(common.SIZES))
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--plain", action="store_true", help="no CURVE")
+    ap.add_argument("--announced", action="store_true",
+                    help="fetch on the producer's tickets (ECTP v2 §10: a READ, no request)")
     ap.add_argument("--busy-timeout-us", type=float, default=None,
                     help="experiment: make the consumer loop poll with this timeout instead of "
                          "spinning (poll(0)) while a transfer is in flight (monkeypatch)")
@@ -42,13 +44,15 @@ def main() -> None:
         server = Server(cfg, [nbytes], Path(tmp))
         try:  # as in the benchmark's solo phase: one ProducerNode, one ConsumerNode, nothing else
             _, info = server.open(kind="ect", plane=a.plane, curve=not a.plain)
-            p = fetchpaths.EctPath("ect", a.plane, not a.plain, info, server.consumer_secret,
-                                [nbytes], {0: 1})
+            kind = fetchpaths.AnnouncedPath if a.announced else fetchpaths.EctPath
+            p = kind("ect", a.plane, not a.plain, info, server.consumer_secret, [nbytes], {0: 1})
             phases: dict[str, list[float]] = {}
             walls = []
             for k in range(a.n + 5):
                 t0 = time.perf_counter()
-                out = p.node.fetch(p.addr, f"s0-c{k % 16}")
+                mm = f"s0-c{k % 16}"
+                ticket = p.tickets.get(mm) if a.announced else None
+                out = p.node.fetch(p.addr, mm, ticket=ticket)
                 wall = time.perf_counter() - t0
                 assert out.ok, out
                 if k >= 5:

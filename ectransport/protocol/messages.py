@@ -288,8 +288,9 @@ class DoneItem(msgspec.Struct, frozen=True):
 
 class DoneBatch(Message, frozen=True, tag="dones"):
     """v2. Consumer → producer: ``XferDone`` for several grants (or holds) in one frame — the
-    completions of one step's READs (e.g. a batch's), so that a consumer sends one frame, not one
-    per entry (ECTP v2 §4.4). Each item is handled exactly as an ``XferDone`` would be."""
+    completions queued within a short bounded time (e.g. a batch's READs), so that a consumer
+    sends one frame, not one per entry (ECTP v2 §4.4). Each item is handled exactly as an
+    ``XferDone`` would be."""
 
     session_id: SessionId
     items: Annotated[list[DoneItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]

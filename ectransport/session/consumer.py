@@ -387,7 +387,7 @@ class ConsumerSession:
 
     def poll(self, now: float) -> list[Command]:
         """Apply deadlines (Hello, answers, reads, quarantines), retries, renewals and the
-        periodic ``Sync``; then this step's completions leave together."""
+        periodic ``Sync``; then the completions that are due leave together."""
         cmds: list[Command] = []
         if (self.fetches.fetches and self.failed is None and self._hello_due is not None
                 and now >= self._hello_due):
@@ -402,7 +402,8 @@ class ConsumerSession:
         if self.offers.on and self.offers.next_sync is not None and \
                 now >= self.offers.next_sync and self.welcomed:
             cmds += self._sync(now)
-        return cmds + self.fetches.flush()
+        # completions leave once due (.completions); all of them once the session failed
+        return cmds + self.fetches.flush(now if self.failed is None else None)
 
     def close(self) -> list[Command]:
         """Shutdown: every fetch misses, every handle is released, local blocks freed."""

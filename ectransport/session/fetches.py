@@ -75,7 +75,7 @@ class FetchTable:
         self.fetches: dict[str, Fetch] = {}
         self.quarantine: dict[str, Fetch] = {}
         self.batches = BatchTable()
-        self.completions = Completions(link.conn, link.session_id)
+        self.completions = Completions(link.conn, link.session_id, settings.done_delay_s)
         self.renewals = Renewals()
         self._seq = 0
 
@@ -102,6 +102,8 @@ class FetchTable:
         ds = [f.due for d in (self.fetches, self.quarantine) for f in d.values()]
         if self.renewals.due is not None and self.reads(offers=True):
             ds.append(self.renewals.due)
+        if self.completions.due is not None:
+            ds.append(self.completions.due)
         return ds
 
     def reads(self, *, offers: bool) -> list[Reading]:
@@ -495,5 +497,7 @@ class FetchTable:
         return self.completions.add(mm_hash, grant_id, ok,
                                     self.link.version or self.link.max_version)
 
-    def flush(self) -> list[Command]:  # this step's completions (v2: together)
-        return self.completions.flush(self.link.version)
+    def flush(self, now: float | None = None) -> list[Command]:
+        """The queued completions (v2: together): with ``now`` only once due (a poll), else at
+        once (:meth:`.Completions.flush`)."""
+        return self.completions.flush(self.link.version, now)

@@ -212,5 +212,10 @@ class ConsumerSettings(Section, frozen=True):
         "ECTP v2: ask producers for offers of the entries they announce, so that a fetch given "
         "their ticket reads with no request"
     )] = True
+    done_delay_s: Annotated[float, doc(
+        "ECTP v2: a read's completion (XferDone, DoneBatch) may wait this long to leave with "
+        "later ones, s (it always leaves before the session's next request); 0 = at the end "
+        "of the step that landed it", ge=0, le=1,
+    )] = 0.005
 
 

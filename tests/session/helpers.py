@@ -20,6 +20,8 @@ from ectransport.store import BlockStore
 HIDDEN = 8
 BLOCK = HIDDEN * 2
 COMPAT = compat_hash("m", "bfloat16", HIDDEN)
+#: how long a v2 consumer session keeps its completions to send them together (the default)
+DONE_S = ConsumerSettings().done_delay_s
 
 
 def describe(runs, nbytes):

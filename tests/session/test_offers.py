@@ -44,7 +44,7 @@ from ectransport.session.holds import HOLD_IDENTITY
 from ectransport.settings_schema import ConsumerSettings
 from ectransport.store import BlockStore
 
-from .helpers import BLOCK, COMPAT, bound, describe, producer_config, put
+from .helpers import BLOCK, COMPAT, DONE_S, bound, describe, producer_config, put
 
 SID = "of" * 16
 V = (1, 2)
@@ -269,7 +269,7 @@ def test_a_ticket_with_its_offer_reads_at_once_and_completes_with_xferdone():
     out = c.on_read_state("a", "done", 102.5)
     (landed,) = [x.outcome for x in out if isinstance(x, Report)]
     assert isinstance(landed, Landed) and landed.grant_id == 77
-    (d,) = frames(out + c.poll(102.5))
+    (d,) = frames(out + c.poll(102.5) + c.poll(102.5 + DONE_S))
     assert isinstance(d, XferDone) and d.grant_id == 77 and d.ok and d.mm_hash == "a"
 
 
@@ -363,7 +363,7 @@ def test_end_to_end_producer_and_consumer_sessions():
     (pr,) = c.fetch("a", 1.5, 30.0, ticket=ticket)
     assert isinstance(pr, PostRead) and pr.plane_grant == describe(e.runs, 2 * BLOCK)
     c.on_read_posted("a", "H", 1.5)
-    for cmd in c.on_read_state("a", "done", 1.6) + c.poll(1.6):
+    for cmd in c.on_read_state("a", "done", 1.6) + c.poll(1.6) + c.poll(1.6 + DONE_S):
         if isinstance(cmd, Send):
             assert p.on_frame("peer", cmd.data, 1.6) == []
     assert p.stats["hold_reads"] == 1 and p.stats["batches"] == 0

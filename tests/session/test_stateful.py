@@ -92,6 +92,10 @@ SMALL_DT = st.sampled_from((0.0, 0.05, 0.2, 0.5, 1.0))
 V2 = 2 in SUPPORTED_VERSIONS
 
 
+#: consumer 2 keeps its completions for the default time (ECTP v2 §4.4), 0 sends them each poll
+DONE_DELAY_S = (0.0, 0.0, ConsumerSettings().done_delay_s, 0.0)
+
+
 def consumer_config(i: int) -> ConsumerConfig:
     versions = (1,) if V2 and i % 2 else ConsumerConfig.versions
     inline = (3 * BLOCK if i == 0 else 0) if V2 and not i % 2 else \
@@ -101,7 +105,7 @@ def consumer_config(i: int) -> ConsumerConfig:
                               ack_timeout_s=2.0, read_timeout_s=8.0, quarantine_s=15.0,
                               hello_timeout_s=5.0, retry_backoff_s=0.02, retry_backoff_max_s=0.5,
                               peer_backoff_s=0.25, peer_backoff_max_s=4.0,
-                              inline_max_bytes=inline))
+                              inline_max_bytes=inline, done_delay_s=DONE_DELAY_S[i]))
 
 
 @dataclass
