@@ -6,12 +6,15 @@
 Starts the benchmark server (producer process) with one ProducerNode offering one plane (nothing
 else open, as in the benchmark's phases) and fetches one size repeatedly, printing the
 p50/min of each phase of ``Fetched.timings`` (req: submit → XferReq sent; ack: → XferAck; posted:
-→ data-plane transfer posted; landed: → bytes landed; total) next to the wall time of fetch().
+→ data-plane transfer posted; landed: → bytes landed; total) next to the wall time of fetch(),
+and the CPU time each process spent per fetch over the measured ones (consumer: this process, all
+its threads; producer: the server process), from ``/proc`` (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +51,10 @@ def main() -> None:
             p = kind("ect", a.plane, not a.plain, info, server.consumer_secret, [nbytes], {0: 1})
             phases: dict[str, list[float]] = {}
             walls = []
+            cpu0: tuple[float, float] | None = None
             for k in range(a.n + 5):
+                if k == 5:
+                    cpu0 = (_cpu_s(os.getpid()), _cpu_s(server.proc.pid))
                 t0 = time.perf_counter()
                 mm = f"s0-c{k % 16}"
                 ticket = p.tickets.get(mm) if a.announced else None
@@ -64,6 +70,8 @@ def main() -> None:
                             phases.setdefault(ph, []).append(v - prev)
                             prev = v
                 del out
+            assert cpu0 is not None
+            cpu = (_cpu_s(os.getpid()) - cpu0[0], _cpu_s(server.proc.pid) - cpu0[1])
             p.close()
         finally:
             server.close()
@@ -71,6 +79,15 @@ def main() -> None:
     for ph, xs in phases.items():
         print(f"  {ph:7s} +{statistics.median(xs) * 1e6:8.0f} µs p50  (min {min(xs) * 1e6:6.0f})")
     print(f"  wall    {statistics.median(walls) * 1e6:9.0f} µs p50  (min {min(walls) * 1e6:6.0f})")
+    print(f"  CPU per fetch: consumer {cpu[0] / a.n * 1e6:.0f} µs, producer "
+          f"{cpu[1] / a.n * 1e6:.0f} µs")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all threads (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _patch_busy_poll(timeout_s: float) -> None:

@@ -409,7 +409,7 @@ class FetchTable:
         if st.handle is not None:
             cmds.append(Release(st.handle))
         if self.link.version is not None:
-            cmds += self.done(f.mm_hash, st.grant_id, ok=outcome.ok)
+            cmds += self.done(f.mm_hash, st.grant_id, ok=outcome.ok, hold=st.offer)
             if not st.offer:  # a hold is not charged to our pin budget: nothing freed
                 self._hurry_busy(now)
         return cmds
@@ -447,7 +447,7 @@ class FetchTable:
         c.emit("transfer_quarantined", mm_hash=f.mm_hash[:12], grant_id=st.grant_id,
                reason=reason.value)
         if c.live:
-            cmds += self.done(f.mm_hash, st.grant_id, ok=False)
+            cmds += self.done(f.mm_hash, st.grant_id, ok=False, hold=st.offer)
             self._hurry_busy(now)
         return cmds
 
@@ -492,10 +492,11 @@ class FetchTable:
     def settle_all(self) -> list[Command]:  # shutdown
         return [c for q in list(self.quarantine.values()) for c in self._settle(q)]
 
-    def done(self, mm_hash: str, grant_id: int, ok: bool) -> list[Command]:
-        """Complete (``ok``) or give back a grant (:class:`.Completions`)."""
+    def done(self, mm_hash: str, grant_id: int, ok: bool, *, hold: bool = False) -> list[Command]:
+        """Complete (``ok``) or give back a grant, or a hold read on an offer (``hold``)
+        (:class:`.Completions`)."""
         return self.completions.add(mm_hash, grant_id, ok,
-                                    self.link.version or self.link.max_version)
+                                    self.link.version or self.link.max_version, hold=hold)
 
     def flush(self, now: float | None = None) -> list[Command]:
         """The queued completions (v2: together): with ``now`` only once due (a poll), else at

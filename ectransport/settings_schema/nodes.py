@@ -213,9 +213,10 @@ class ConsumerSettings(Section, frozen=True):
         "their ticket reads with no request"
     )] = True
     done_delay_s: Annotated[float, doc(
-        "ECTP v2: a read's completion (XferDone, DoneBatch) may wait this long to leave with "
-        "later ones, s (it always leaves before the session's next request); 0 = at the end "
-        "of the step that landed it", ge=0, le=1,
+        "ECTP v2: the completion of a read on an offer (a hold's: it releases nothing at the "
+        "producer) may wait this long to leave with later ones, s (a grant's leaves at the end "
+        "of its step; all leave before the session's next request); 0 = at the end of its step",
+        ge=0, le=1,
     )] = 0.005
 
 

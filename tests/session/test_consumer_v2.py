@@ -37,7 +37,7 @@ from ectransport.session import (
 )
 from ectransport.session.fetch import parked_deadline
 
-from .helpers import BLOCK, COMPAT, DONE_S, bound, make_consumer
+from .helpers import BLOCK, COMPAT, bound, make_consumer
 
 V2 = (1, 2)
 
@@ -131,9 +131,8 @@ def test_fetch_many_is_one_frame_and_its_grants_post_reads_together():
     out = c.on_read_state("b", "done", 0.03)
     (landed,) = reports(out)
     assert isinstance(landed, Landed) and landed.grant_id == 12 and Release("Hb") in out
-    assert frames(out) == []  # v2: completions leave together, at a poll once due
-    assert frames(c.poll(0.03)) == []  # due DONE_S after this first poll saw it
-    (done,) = frames(c.poll(0.03 + DONE_S))
+    assert frames(out) == []  # v2: the step's completions leave together, at its poll
+    (done,) = frames(c.poll(0.03))
     assert isinstance(done, XferDone) and done.ok and done.grant_id == 12 and done.v == 2
 
 
@@ -273,7 +272,7 @@ def test_an_inline_entry_is_not_evicted_by_the_next_items_allocation():
     got = {r.mm_hash: r for r in reports(out)}
     assert isinstance(got["small"], Landed) and got["small"].entry.runs == land.runs
     assert got["big"].reason is MissReason.NO_SPACE
-    (done,) = frames(out + c.poll(0.01) + c.poll(0.01 + DONE_S))
+    (done,) = frames(out + c.poll(0.01))
     assert isinstance(done, XferDone) and done.grant_id == 4 and not done.ok
 
 
@@ -307,7 +306,7 @@ def test_inline_data_with_a_grant_is_refused_and_the_grant_given_back():
     out = c.on_frame(acks(c, b.batch_id, ok("a", 5, data=b"z" * BLOCK)), 0.01)
     (m,) = reports(out)
     assert m.reason is MissReason.INTERNAL and "both" in m.detail
-    (done,) = frames(out + c.poll(0.01) + c.poll(0.01 + DONE_S))
+    (done,) = frames(out + c.poll(0.01))
     assert isinstance(done, XferDone) and done.grant_id == 5 and not done.ok
 
 
@@ -372,7 +371,7 @@ def test_the_late_grant_of_an_abandoned_item_is_given_back_once_nothing_else_ref
     c.poll(0.6)
     assert len(c.batches) == 0
     late = acks(c, b.batch_id, ok("a", 8))
-    (done,) = frames(c.on_frame(late, 0.7) + c.poll(0.7) + c.poll(0.7 + DONE_S))
+    (done,) = frames(c.on_frame(late, 0.7) + c.poll(0.7))
     assert isinstance(done, XferDone) and done.grant_id == 8 and not done.ok
     assert c.on_frame(late, 0.8) + c.poll(0.8) == []  # once
 
@@ -436,7 +435,7 @@ def test_with_the_producer_session_a_batch_lands_and_a_reserved_entry_is_waited_
         done = c.on_read_state(mm, "done", 1.2)
         assert isinstance(reports(done)[0], Landed)
     # the three completions leave together: one DoneBatch
-    (db,) = frames(c.poll(1.2) + c.poll(1.2 + DONE_S))
+    (db,) = frames(c.poll(1.2))
     assert isinstance(db, DoneBatch) and len(db.items) == 3 and all(i.ok for i in db.items)
     pump(p, c, c.poll(1.2) or [Send(c.conn, encode(db))], 1.2)
     assert p.active_grants == 0 and c.in_flight() == 0
@@ -512,7 +511,7 @@ def test_parked_then_silent_misses_at_the_end_of_the_wait_plus_the_ack_timeout()
     assert m.reason is MissReason.TIMEOUT and "parked" in m.detail and "ack" in m.detail
     assert events[-1][0] == "peer_quarantined"  # the producer did not keep its word
     late = acks(c, b.batch_id, ok("a", 4))  # its grant, after all: given back once
-    (done,) = frames(c.on_frame(late, 16.5) + c.poll(16.5) + c.poll(16.5 + DONE_S))
+    (done,) = frames(c.on_frame(late, 16.5) + c.poll(16.5))
     assert isinstance(done, XferDone) and done.grant_id == 4 and not done.ok
 
 
@@ -633,7 +632,7 @@ def test_completions_are_batched_only_for_a_producer_that_takes_donebatch(dones)
     for mm in ("a", "b", "c"):
         c.on_read_posted(mm, f"H{mm}", 0.02)
         c.on_read_state(mm, "done", 0.03)
-    sent = frames(c.poll(0.03) + c.poll(0.03 + DONE_S))
+    sent = frames(c.poll(0.03))
     if dones:
         (db,) = sent
         assert isinstance(db, DoneBatch) and [i.mm_hash for i in db.items] == ["a", "b", "c"]

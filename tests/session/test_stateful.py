@@ -666,8 +666,12 @@ def test_machine_catches_a_budget_bypass(monkeypatch):
         finally:
             t.settings = settings
 
+    # 200 examples did not reach it when run after some other modules (e.g. `pytest
+    # tests/session tests/node/test_driver.py tests/config`, at 50a71a3 as well): the search
+    # is derandomized, the code under it is not all (session ids); 600 reach it in every order
+    # tried
     err = _run_broken(monkeypatch, ProducerSession, "_on_req", on_req_without_budget,
-                      max_examples=200)
+                      max_examples=600)
     assert isinstance(err, AssertionError)
 
 
