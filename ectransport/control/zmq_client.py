@@ -75,6 +75,9 @@ class ZmqControlClient(ControlClient):
         max_msgs_per_poll: frames read per ``poll`` at most, round-robin across connections.
         sndhwm, rcvhwm: per-connection queue bounds (frames).
         reconnect_ivl_s, reconnect_ivl_max_s: ZMQ reconnect backoff while a producer is away.
+        close_linger_s: at :meth:`close`, frames already sent get this long (s) to leave; the
+            completions a consumer sends as it closes give its grants back, which would
+            otherwise stay pinned at the producer until their lease ends.
 
     Events from ``poll`` (connection key ``"host:port"``):
         ``Up(conn)``: CURVE handshake succeeded (again after a ``Down``).
@@ -101,6 +104,7 @@ class ZmqControlClient(ControlClient):
         rcvhwm: int = _D.rcvhwm,
         reconnect_ivl_s: float = _D.reconnect_ivl_s,
         reconnect_ivl_max_s: float = _D.reconnect_ivl_max_s,
+        close_linger_s: float = _D.close_linger_s,
     ) -> None:
         check_positive(
             handshake_timeout_s=handshake_timeout_s,
@@ -118,6 +122,7 @@ class ZmqControlClient(ControlClient):
         else:
             self.public_key, self._secret = keypair(secret_key, public_key, "consumer")
         self.handshake_timeout_s = handshake_timeout_s
+        self._linger_ms = ms(max(0.0, close_linger_s))
         self.max_msgs_per_poll = int(max_msgs_per_poll)
         self._opts: CommonOpts = {
             "heartbeat_ivl_s": heartbeat_ivl_s,
@@ -221,12 +226,16 @@ class ZmqControlClient(ControlClient):
         self._waker.wake()
 
     def close(self) -> None:
+        """Close every connection; frames already sent get up to ``close_linger_s`` to leave
+        (this call returns once they did, or then). Idempotent."""
         if self._closed:
             return
         self._closed = True
         for c in list(self._conns.values()):
-            self._forget(c)
+            self._forget(c, self._linger_ms)
         self._waker.close()
+        # any socket still open closes at once; those closed above keep their linger, and this
+        # returns once their frames left or it passed
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> ZmqControlClient:
@@ -236,12 +245,12 @@ class ZmqControlClient(ControlClient):
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _forget(self, c: _Conn) -> None:
+    def _forget(self, c: _Conn, linger_ms: int = 0) -> None:
         self._conns.pop(c.key, None)
         for s in (c.sock, c.mon):
             self._by_sock.pop(s, None)
             self._poller.unregister(s)
-        close_monitored(c.sock, c.mon)
+        close_monitored(c.sock, c.mon, linger_ms)
 
     def _fail(self, c: _Conn, reason: str, events: list[ClientEvent]) -> None:
         log.warning("control connection %s: authentication failed: %s", c.key, reason)

@@ -96,15 +96,17 @@ def set_common(
     sock.setsockopt(zmq.HEARTBEAT_TTL, min(ms(heartbeat_timeout_s), 6_553_500))
 
 
-def close_monitored(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:
-    """Disable the monitor first (pyzmq#626-style hangs otherwise), then close both, linger 0."""
+def close_monitored(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None,
+                    linger_ms: int = 0) -> None:
+    """Disable the monitor first (pyzmq#626-style hangs otherwise), then close both: the monitor
+    at once, ``sock`` after its queued frames left or ``linger_ms`` (ms) passed."""
     if mon is not None:
         try:
             sock.disable_monitor()
         except zmq.ZMQError:
             pass
         mon.close(linger=0)
-    sock.close(linger=0)
+    sock.close(linger=linger_ms)
 
 
 class Waker:

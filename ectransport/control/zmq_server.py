@@ -46,6 +46,7 @@ zap_log = logging.getLogger(ZAP_LOG_NAME)
 
 _SERVER_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 _GONE_ROUTE_S = 2.0  # frames still queued from a closed connection are dropped for this long
+_DRAIN_ALL_MAX = 1 << 16  # frames received at most before a Down (its connection's last ones)
 
 
 class _ZapPolicy:
@@ -296,10 +297,10 @@ class ZmqControlServer(ControlServer):
         self._expire_gone(now)
         # Only the sockets the poller reported (level-triggered: what is left is reported again);
         # a failed non-blocking recv costs as much as a successful one on a small VM.
-        if self._mon in ready:
-            self._drain_monitor(events)
         if self._router in ready:
             self._drain_router(events, now)
+        if self._mon in ready:
+            self._drain_monitor(events, now)
         return events
 
     def send(self, peer: PeerId, data: bytes) -> bool:
@@ -363,7 +364,7 @@ class ZmqControlServer(ControlServer):
         log.info("consumer %s disconnected", peer.short())
         events.append(Down(peer))
 
-    def _drain_monitor(self, events: list[ServerEvent]) -> None:
+    def _drain_monitor(self, events: list[ServerEvent], now: float) -> None:
         assert self._mon is not None
         for _ in range(MONITOR_DRAIN_MAX):
             try:
@@ -383,6 +384,11 @@ class ZmqControlServer(ControlServer):
                     continue
                 peer = self._fd_peer.pop(value, None)
                 if peer is not None:
+                    # ZeroMQ queues a connection's last frames before it reports the close:
+                    # they are received first (a consumer's completions as it closes give its
+                    # grants back; after the Down they would be dropped as a gone route's, and
+                    # the grants held back until their leases end)
+                    self._drain_router(events, now, until_empty=True)
                     self._peer_down(peer, events)
             elif kind & HANDSHAKE_FAILED:
                 self.handshake_failures += 1
@@ -406,11 +412,14 @@ class ZmqControlServer(ControlServer):
             self._last_hs_log = now
         log.log(level, "control handshake failed on %s: %s", self.endpoint, why)
 
-    def _drain_router(self, events: list[ServerEvent], now: float) -> None:
+    def _drain_router(self, events: list[ServerEvent], now: float, *,
+                      until_empty: bool = False) -> None:
+        """Receive up to ``max_msgs_per_poll`` frames (``until_empty``: all that are queued, at
+        most :data:`_DRAIN_ALL_MAX`: the receive queues are bounded, but a flood is not)."""
         r = self._router
         assert r is not None
         secure = not self.insecure
-        for _ in range(self.max_msgs_per_poll):
+        for _ in range(_DRAIN_ALL_MAX if until_empty else self.max_msgs_per_poll):
             try:
                 frames = r.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:

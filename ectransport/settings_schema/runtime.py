@@ -45,6 +45,11 @@ class ControlClientSettings(_ControlSocketSettings, frozen=True):
     )] = 4.0
     reconnect_ivl_s: Annotated[Seconds, doc("first ZeroMQ reconnect wait, s")] = 0.1
     reconnect_ivl_max_s: Annotated[Seconds, doc("largest ZeroMQ reconnect wait, s")] = 2.0
+    close_linger_s: Annotated[float, doc(
+        "at close, frames already sent (the completions that give grants back) get this long "
+        "to leave, s; unsent then, they are dropped (the producer's lease frees their pins); "
+        "0 = dropped at once", ge=0, le=10,
+    )] = 0.5
 
 
 class ControlSettings(Section, frozen=True):

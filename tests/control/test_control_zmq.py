@@ -413,3 +413,43 @@ def test_a_producer_that_never_greets_is_not_called_a_wrong_key():
     finally:
         client.close()
         listener.close()
+
+
+def test_frames_sent_just_before_close_still_leave(tmp_path, server_keys, client_keys):
+    """Frames queued when the client closes reach the producer (a consumer's last completions
+    give its grants back: dropped, the producer kept them pinned until their lease ended). With
+    ``close_linger_s=0`` this fails: 16 MiB are not on the wire by the time close returns."""
+    server = make_server(tmp_path, server_keys, [client_keys.public])
+    client = ZmqControlClient(secret_key=client_keys.secret)
+    with closing(server):
+        conn = connect_up(client, server, server_keys.public)
+        frames = [bytes([i]) * (1 << 20) for i in range(16)]
+        for f in frames:
+            assert client.send(conn, f)
+        client.close()
+        got: list[bytes] = []
+        wait_for(lambda: got.extend(e.data for e in server.poll(0.05)
+                                    if isinstance(e, Received)) or len(got) == len(frames), 5.0)
+        assert got == frames
+
+
+def test_a_closed_connections_last_frames_come_before_its_down(tmp_path, server_keys, client_keys):
+    """The frames a consumer sent just before it closed are received before its ``Down`` (once
+    received after it, as a gone route's, they were dropped: a grant's completion among them
+    left the grant pinned until its lease ended)."""
+    server = make_server(tmp_path, server_keys, [client_keys.public])
+    client = ZmqControlClient(secret_key=client_keys.secret)
+    with closing(server):
+        conn = connect_up(client, server, server_keys.public)
+        peer = request(client, conn, server, b"hello").source
+        last = [b"done-%d" % i for i in range(3)]
+        for f in last:
+            assert client.send(conn, f)
+        client.close()
+        # the server has not polled since: let its monitor report the close first
+        mon = zmq.Poller()
+        mon.register(server._mon, zmq.POLLIN)
+        assert mon.poll(DEADLINE_S * 1000), "the server's monitor never saw the close"
+        events = []
+        assert poll_until(server, lambda e: isinstance(e, Down), sink=events) == Down(peer)
+        assert [e.data for e in events if isinstance(e, Received)] == last

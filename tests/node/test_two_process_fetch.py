@@ -219,6 +219,9 @@ def test_fetched_outlives_closed_consumer(producer, keys):
     finally:
         node.close()
     assert isinstance(out, Fetched), out
+    # closing right after the fetch still gave the grant back (its completion left before the
+    # control socket closed): else it stays pinned until the lease (30 s) ends
+    assert producer.wait_unpinned()["pinned_bytes"] == 0
     del node
     gc.collect()
     junk = [np.full(9 << 20, 0xAB, dtype=np.uint8) for _ in range(4)]  # reuse freed memory
@@ -228,7 +231,7 @@ def test_fetched_outlives_closed_consumer(producer, keys):
 
 def test_stranger_key_is_refused_by_the_child(producer, keys):
     """A consumer whose key is not in the child's allow-dir gets Miss(AUTH); no grant is made."""
-    before = producer.stats()
+    before = producer.wait_unpinned()
     node = ConsumerNode(
         layout=LAYOUT,
         security=Security.from_files(str(keys / "keys" / "stranger.key_secret")),
