@@ -75,3 +75,10 @@ def test_import_is_cheap_and_pulls_no_heavy_dependency():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    """Each module reads in one sitting (issue 22's bound): split by concept past 500 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"

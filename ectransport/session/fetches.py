@@ -463,28 +463,23 @@ class FetchTable:
     def fail_all(self, miss: Miss) -> list[Command]:
         """The session failed: every fetch misses with ``miss`` (reads are quarantined from
         their read deadline, their grants given back while the connection is up)."""
-        cmds: list[Command] = []
-        for f in list(self.fetches.values()):
-            if isinstance(f.state, Reading):
-                cmds += self._quarantine(f, f.state.due, miss.reason, miss.detail)
-            else:
-                del self.fetches[f.mm_hash]
-                cmds.append(Report(Miss(f.mm_hash, miss.reason, miss.detail)))
-        self.batches.clear()
-        self.renewals.reset()
-        return cmds
+        return self._end_all(miss, None, miss.detail)
 
     def peer_down(self, now: float, why: str) -> list[Command]:
         """The producer went away (the link is down already: no completion is sent): waiting
-        fetches miss (retryable), reads are quarantined."""
+        fetches miss (retryable), reads are quarantined from ``now``."""
+        miss = Miss("", MissReason.PEER_DOWN, why + " (retryable)")
+        return self._end_all(miss, now, "producer went away mid-read")
+
+    def _end_all(self, miss: Miss, at: float | None, read_detail: str) -> list[Command]:
         cmds: list[Command] = []
         for f in list(self.fetches.values()):
             if isinstance(f.state, Reading):
-                cmds += self._quarantine(f, now, MissReason.PEER_DOWN,
-                                         "producer went away mid-read")
+                cmds += self._quarantine(f, f.state.due if at is None else at, miss.reason,
+                                         read_detail)
             else:
                 del self.fetches[f.mm_hash]
-                cmds.append(Report(Miss(f.mm_hash, MissReason.PEER_DOWN, why + " (retryable)")))
+                cmds.append(Report(replace(miss, mm_hash=f.mm_hash)))
         self.batches.clear()  # their answers can no longer come
         self.renewals.reset()
         return cmds
