@@ -1,6 +1,7 @@
 """Where does one ectransport fetch spend its time? (a profiling aid for docs/performance.md)
 
     python benchmarks/profile_fetch.py [--plane nixl] [--size 8.8MiB] [-n 200] [--plain]
+        [--announced] [--idle-nodes K]
     py-spy record --subprocesses -o prof.svg -- python benchmarks/profile_fetch.py -n 500
 
 Starts the benchmark server (producer process) with one ProducerNode offering one plane (nothing
@@ -38,6 +39,10 @@ def main() -> None:
     ap.add_argument("--busy-timeout-us", type=float, default=None,
                     help="experiment: make the consumer loop poll with this timeout instead of "
                          "spinning (poll(0)) while a transfer is in flight (monkeypatch)")
+    ap.add_argument("--idle-nodes", type=int, default=0,
+                    help="also keep this many other ConsumerNodes connected and idle in this "
+                         "process (the benchmark's phases keep the v1, request and raw paths "
+                         "open beside the one being timed)")
     a = ap.parse_args()
     if a.busy_timeout_us is not None:
         _patch_busy_poll(a.busy_timeout_us * 1e-6)
@@ -49,6 +54,9 @@ def main() -> None:
             _, info = server.open(kind="ect", plane=a.plane, curve=not a.plain)
             kind = fetchpaths.AnnouncedPath if a.announced else fetchpaths.EctPath
             p = kind("ect", a.plane, not a.plain, info, server.consumer_secret, [nbytes], {0: 1})
+            idle = [fetchpaths.EctPath(f"idle{j}", a.plane, not a.plain, info,
+                                       server.consumer_secret, [nbytes], {0: 1})
+                    for j in range(a.idle_nodes)]
             phases: dict[str, list[float]] = {}
             walls = []
             cpu0: tuple[float, float] | None = None
@@ -73,6 +81,8 @@ def main() -> None:
             assert cpu0 is not None
             cpu = (_cpu_s(os.getpid()) - cpu0[0], _cpu_s(server.proc.pid) - cpu0[1])
             p.close()
+            for q in idle:
+                q.close()
         finally:
             server.close()
     print(f"{a.plane} {a.size} {'plain' if a.plain else 'CURVE'}: {a.n} fetches")
