@@ -418,9 +418,10 @@ def test_a_producer_that_never_greets_is_not_called_a_wrong_key():
 def test_frames_sent_just_before_close_still_leave(tmp_path, server_keys, client_keys):
     """Frames queued when the client closes reach the producer (a consumer's last completions
     give its grants back: dropped, the producer kept them pinned until their lease ended). With
-    ``close_linger_s=0`` this fails: 16 MiB are not on the wire by the time close returns."""
+    ``close_linger_s=0`` this fails: 16 MiB are not on the wire by the time close returns (5 s
+    here, not the default 0.5 s: on a loaded host encrypting 16 MiB may take longer)."""
     server = make_server(tmp_path, server_keys, [client_keys.public])
-    client = ZmqControlClient(secret_key=client_keys.secret)
+    client = ZmqControlClient(secret_key=client_keys.secret, close_linger_s=5.0)
     with closing(server):
         conn = connect_up(client, server, server_keys.public)
         frames = [bytes([i]) * (1 << 20) for i in range(16)]
