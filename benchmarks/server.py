@@ -124,7 +124,7 @@ def _ucxx_server(sources: list[np.ndarray]) -> tuple:
         asyncio.set_event_loop(loop)
 
         async def main() -> None:
-            lst = ucxx.create_listener(handler, port=0, endpoint_error_handling=False)
+            lst = ucxx.create_listener(handler, port=0, endpoint_error_handling=True)
             box["port"] = lst.port
             box["lst"] = lst
             box["stop"] = stop = asyncio.Event()
