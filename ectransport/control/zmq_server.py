@@ -45,7 +45,7 @@ log = logging.getLogger(LOG_NAME)
 zap_log = logging.getLogger(ZAP_LOG_NAME)
 
 _SERVER_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
-_GONE_ROUTE_S = 2.0  # frames still queued from a closed connection are dropped for this long
+_GONE_ROUTE_S = 2.0  # frames of a closed connection received after its Down: dropped this long
 _DRAIN_ALL_MAX = 1 << 16  # frames received at most before a Down (its connection's last ones)
 
 
@@ -440,7 +440,7 @@ class ZmqControlServer(ControlServer):
         route = frames[0].bytes
         msg = frames[1]
         if route in self._gone:
-            return  # queued before its connection closed; nobody can be answered
+            return  # after its connection's Down (its last frames came before): nobody to answer
         user = ""
         peer = self._route_peer.get(route)
         if secure:
