@@ -40,6 +40,7 @@ from ectransport.errors import ConfigError
 from ectransport.settings_schema import API
 
 _D = API.control.client  # the defaults: ectransport.settings_schema.ControlClientSettings
+_MAX_LINGER_S = 3600.0  # ZeroMQ takes the linger as a C int of ms: far below its limit
 
 __all__ = ["ZmqControlClient"]
 
@@ -122,7 +123,10 @@ class ZmqControlClient(ControlClient):
         else:
             self.public_key, self._secret = keypair(secret_key, public_key, "consumer")
         self.handshake_timeout_s = handshake_timeout_s
-        self._linger_ms = ms(max(0.0, close_linger_s))
+        if not 0.0 <= close_linger_s <= _MAX_LINGER_S:
+            raise ConfigError(f"close_linger_s must be within 0..{_MAX_LINGER_S:g} s, "
+                              f"got {close_linger_s!r}")
+        self._linger_ms = ms(close_linger_s)
         self.max_msgs_per_poll = int(max_msgs_per_poll)
         self._opts: CommonOpts = {
             "heartbeat_ivl_s": heartbeat_ivl_s,

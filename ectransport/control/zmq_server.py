@@ -46,7 +46,7 @@ zap_log = logging.getLogger(ZAP_LOG_NAME)
 
 _SERVER_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 _GONE_ROUTE_S = 2.0  # frames of a closed connection received after its Down: dropped this long
-_DRAIN_ALL_MAX = 1 << 16  # frames received at most before a Down (its connection's last ones)
+_DRAIN_ALL_MAX = 4096  # frames received at most in a poll that reports Downs (their last ones)
 
 
 class _ZapPolicy:
@@ -260,6 +260,7 @@ class ZmqControlServer(ControlServer):
         self._fd_peer: dict[int, PeerId] = {}
         self._skip_disconnect: dict[int, int] = {}
         self._gone: dict[bytes, float] = {}
+        self._closing: list[PeerId] = []  # closed connections: Down once their frames are read
         self._gone_q: deque[tuple[float, bytes]] = deque()
         self._last_hs_log = float("-inf")
         self._closed = False
@@ -297,10 +298,20 @@ class ZmqControlServer(ControlServer):
         self._expire_gone(now)
         # Only the sockets the poller reported (level-triggered: what is left is reported again);
         # a failed non-blocking recv costs as much as a successful one on a small VM.
+        # The monitor first: a close read now predates every frame read after it (the fd of a
+        # DISCONNECTED is matched to a peer by that order). A closed connection's Down waits
+        # until the router was drained: ZeroMQ queued its last frames before it reported the
+        # close, and a consumer's last completions give its grants back (after the Down they
+        # would be dropped as a gone route's, the grants held back until their leases end).
+        if self._mon in ready:
+            self._drain_monitor(events)
         if self._router in ready:
             self._drain_router(events, now)
-        if self._mon in ready:
-            self._drain_monitor(events, now)
+        if self._closing:  # (also a peer whose fd a newer connection took, seen in that drain)
+            self._drain_router(events, now, until_empty=True)
+        closing, self._closing = self._closing, []
+        for peer in closing:
+            self._peer_down(peer, events)
         return events
 
     def send(self, peer: PeerId, data: bytes) -> bool:
@@ -364,7 +375,7 @@ class ZmqControlServer(ControlServer):
         log.info("consumer %s disconnected", peer.short())
         events.append(Down(peer))
 
-    def _drain_monitor(self, events: list[ServerEvent], now: float) -> None:
+    def _drain_monitor(self, events: list[ServerEvent]) -> None:
         assert self._mon is not None
         for _ in range(MONITOR_DRAIN_MAX):
             try:
@@ -384,12 +395,7 @@ class ZmqControlServer(ControlServer):
                     continue
                 peer = self._fd_peer.pop(value, None)
                 if peer is not None:
-                    # ZeroMQ queues a connection's last frames before it reports the close:
-                    # they are received first (a consumer's completions as it closes give its
-                    # grants back; after the Down they would be dropped as a gone route's, and
-                    # the grants held back until their leases end)
-                    self._drain_router(events, now, until_empty=True)
-                    self._peer_down(peer, events)
+                    self._closing.append(peer)  # its Down at the end of this poll
             elif kind & HANDSHAKE_FAILED:
                 self.handshake_failures += 1
                 self._log_handshake_failure(kind, value)
@@ -455,7 +461,7 @@ class ZmqControlServer(ControlServer):
                 return
         if peer is None:
             peer = self._route_peer[route] = PeerId(route, user)
-            self._track_fd(msg, peer, events)
+            self._track_fd(msg, peer)
         elif peer.user != user:
             self.malformed_dropped += 1
             log.warning("dropping frame: route %s changed user", peer.short())
@@ -470,7 +476,7 @@ class ZmqControlServer(ControlServer):
         self._limited.discard(bucket)
         events.append(Received(peer, msg.bytes))
 
-    def _track_fd(self, msg: zmq.Frame, peer: PeerId, events: list[ServerEvent]) -> None:
+    def _track_fd(self, msg: zmq.Frame, peer: PeerId) -> None:
         try:
             fd = int(msg.get(zmq.SRCFD))
         except (zmq.ZMQError, TypeError, ValueError):
@@ -480,7 +486,7 @@ class ZmqControlServer(ControlServer):
             # fd reused: the old connection closed; its DISCONNECTED event is still queued.
             self._skip_disconnect[fd] = self._skip_disconnect.get(fd, 0) + 1
             self._fd_peer.pop(fd)
-            self._peer_down(old, events)
+            self._closing.append(old)  # its Down at the end of this poll, after its frames
         self._fd_peer[fd] = peer
 
 
