@@ -413,4 +413,3 @@ def test_a_producer_that_never_greets_is_not_called_a_wrong_key():
     finally:
         client.close()
         listener.close()
-
